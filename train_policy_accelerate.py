@@ -1,0 +1,1002 @@
+"""Fine-tune a language model with PPO against a learned reward model, as OpenAI's lm-human-preferences did.
+
+Reproduces `lm_human_preferences/train_policy.py` (TF1, https://github.com/openai/lm-human-preferences; Ziegler et
+al. 2019) with every detail of "The N Implementation Details of RLHF with PPO" (Huang, Liu, von Werra, 2023): sample
+fixed-length responses at temperature 0.7, cut them after a '.' (or score them -1), reward = reward-model score on
+the last token minus kl_coef * KL(policy || pretrained) on every token, whitened rewards, GAE, 4 PPO epochs with
+clipped policy and value losses, TF-style Adam, and an adaptive KL coefficient. Specified in SPEC §1–3 and §5.
+
+Launch (batch sizes are global: the same flags give the same optimization on any number of processes):
+    python train_policy_accelerate.py --rewards.trained-model runs/RM_RUN/reward_model                # 1 GPU
+    accelerate launch --num_processes 8 train_policy_accelerate.py --rewards.trained-model DIR         # 8 GPUs
+    python train_policy_accelerate.py --base-model models/tiny-gpt2 --rewards.trained-model DIR \\
+        --task.query-dataset corpus.txt --ppo.total-episodes 64 --ppo.batch-size 16                   # CPU smoke
+Outputs in --output-dir: args.json, metrics.jsonl (one row per update), samples.jsonl, policy/ (a Hugging Face
+causal LM directory with its tokenizer) and, with --task.gold-labeler, eval_samples.jsonl.
+"""
+
+import json
+import math
+import os
+import shutil
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal, NoReturn, Optional
+from urllib.parse import urlparse
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+from rich.console import Console
+from rich.progress import track
+from rich.table import Table
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+
+@dataclass
+class AdaptiveKLParams:
+    target: float = 6.0
+    """KL (nats per response) the adaptive controller steers towards"""
+    horizon: int = 10000
+    """episodes over which the controller closes the gap to the target"""
+
+
+@dataclass
+class RewardHParams:
+    trained_model: Optional[str] = None
+    """reward model directory written by train_reward_accelerate.py (OUTPUT_DIR/reward_model); required"""
+    kl_coef: float = 0.15
+    """initial coefficient of the per-token KL penalty (beta)"""
+    use_adaptive_kl: bool = True
+    """adapt kl_coef towards adaptive_kl.target (OAI books tasks); --rewards.no-use-adaptive-kl keeps it fixed"""
+    adaptive_kl: AdaptiveKLParams = field(default_factory=AdaptiveKLParams)
+
+
+@dataclass
+class PpoHParams:
+    total_episodes: int = 1_000_000
+    """episodes (query + response pairs) to train on; updates = ceil(total_episodes / batch_size)"""
+    batch_size: int = 512
+    """episodes per PPO update, over all processes (OAI: 512)"""
+    nminibatches: int = 1
+    """minibatches per PPO epoch (one optimizer step each)"""
+    noptepochs: int = 4
+    """PPO epochs over each batch"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per minibatch (memory knob; does not change the math)"""
+    lr: float = 1e-5
+    """learning rate, annealed linearly to 0 per update"""
+    eps: float = 1e-5
+    """Adam epsilon"""
+    vf_coef: float = 0.1
+    """value loss coefficient"""
+    cliprange: float = 0.2
+    """policy ratio clip range"""
+    cliprange_value: float = 0.2
+    """value prediction clip range (around the rollout values)"""
+    gamma: float = 1.0
+    """discount factor"""
+    lam: float = 0.95
+    """GAE lambda"""
+    whiten_rewards: bool = True
+    """whiten the per-token rewards (without shifting their mean) before GAE (OAI books: True)"""
+
+
+@dataclass
+class TaskHParams:
+    query_dataset: str = "bookcorpus"
+    """query texts: a Hugging Face Hub dataset name, or a local .txt (one text per line) / .json / .jsonl file"""
+    query_field: str = "text"
+    """the field of each dataset row that holds the text"""
+    query_length: int = 64
+    """tokens per query (the blog's code later regressed to 24; OAI uses 64)"""
+    query_prefix: str = ""
+    """text put before every query"""
+    query_suffix: str = ""
+    """text put after every (padded) query"""
+    start_text: Optional[str] = None
+    """if set, a query starts after the first occurrence of this text (texts without it are skipped); OAI books:
+    '.', but Hub `bookcorpus` is already one sentence per row"""
+    end_text: Optional[str] = None
+    """if set, a query is cut after the last occurrence of this text (texts without it are skipped)"""
+    response_length: int = 24
+    """tokens sampled per response (never stopped early at EOS)"""
+    truncate_token: str = "."
+    """text of the token that ends a response after `truncate_after` (resolved with the tokenizer; '.' = 13 in GPT-2)"""
+    truncate_after: int = 16
+    """a response is cut after the first truncate token at response index >= this"""
+    temperature: float = 0.7
+    """sampling temperature; log-probs are always computed from logits divided by it"""
+    penalty_reward_value: float = -1.0
+    """score of a response with no truncate token at index >= truncate_after"""
+    gold_labeler: Optional[Literal["sentiment", "descriptiveness"]] = None
+    """score held-out samples with a simulated labeler too (eval/gold_score next to eval/rm_score): shows whether the
+    policy really improves or exploits the reward model"""
+
+
+@dataclass
+class Args:
+    exp_name: str = "train_policy_accelerate"
+    """experiment name, the first part of the run name"""
+    seed: int = 1
+    """global seed: head init comes from it; process i samples with seed + i * 100003"""
+    track: bool = False
+    """log to Weights & Biases (works with WANDB_MODE=offline)"""
+    wandb_project_name: str = "lm-human-preferences"
+    """wandb project"""
+    wandb_entity: Optional[str] = None
+    """wandb entity (team or user)"""
+    output_dir: Optional[str] = None
+    """where args.json, metrics.jsonl, samples.jsonl and policy/ go (default: runs/<run_name>)"""
+    overwrite: bool = False
+    """allow writing into an output directory that already holds a finished run"""
+    dry_run: bool = False
+    """validate every flag, print the derived sizes and exit before loading any model or data"""
+    base_model: str = "gpt2"
+    """pretrained causal LM for the policy and the reference policy: a Hub id or a local directory"""
+    use_tensorflow_adam: bool = True
+    """TF1-style Adam (eps outside the bias correction, as in OAI); --no-use-tensorflow-adam: torch.optim.Adam"""
+    local_rollout_forward_batch_size: int = 64
+    """rows per rollout generation / forward on one process (memory knob; does not change the math)"""
+    print_sample_output_freq: int = 10
+    """print (and save to samples.jsonl) a table of sample responses every this many updates"""
+    eval_every: int = 10
+    """with --task.gold-labeler: evaluate the held-out queries every this many updates (and at update 0 and the end)"""
+    eval_queries: int = 64
+    """with --task.gold-labeler: held-out queries (kept out of training)"""
+    eval_samples_per_query: int = 4
+    """with --task.gold-labeler: responses sampled per held-out query"""
+    upload_model: bool = False
+    """push the final policy to the Hugging Face Hub as --hf-repo-id"""
+    hf_repo_id: Optional[str] = None
+    """Hub repo for --upload-model (default: the run name)"""
+    task: TaskHParams = field(default_factory=TaskHParams)
+    rewards: RewardHParams = field(default_factory=RewardHParams)
+    ppo: PpoHParams = field(default_factory=PpoHParams)
+    world_size: tyro.conf.Suppress[Optional[int]] = None
+    local_batch_size: tyro.conf.Suppress[Optional[int]] = None
+    local_mini_batch_size: tyro.conf.Suppress[Optional[int]] = None
+    micro_batch_size: tyro.conf.Suppress[Optional[int]] = None
+    num_updates: tyro.conf.Suppress[Optional[int]] = None
+    run_name: tyro.conf.Suppress[Optional[str]] = None
+
+
+RANK_SEED_STRIDE = 100003  # process i samples with seed + i * RANK_SEED_STRIDE (a prime, so streams never collide)
+KL_ERROR_CLIP = 0.2  # OAI AdaptiveKLController clips the proportional error to +-0.2
+MIN_WHITEN_ROWS = 8  # whitening statistics over fewer rows per process-minibatch are too noisy (OAI asserts it)
+EVAL_SEED = 1234  # held-out evaluation samples with its own RNG, identical at every evaluation (paired comparison)
+SAMPLE_ROWS = 4  # rows of the sample table printed to the console
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Shared helpers: this block is copied verbatim into train_policy_accelerate.py (tests/test_shared_helpers.py fails
+# when the two copies drift apart). Each script stays a single file a reader can follow top to bottom.
+# ---------------------------------------------------------------------------------------------------------------------
+def fail(message: str) -> NoReturn:
+    """Stop with a one-line error (no traceback) and a non-zero exit code."""
+    raise SystemExit(f"error: {message}")
+
+
+def hub_is_reachable(timeout: float = 3.0) -> bool:
+    """A TCP connect to the Hub endpoint; the libraries themselves retry for ~25 s per file when offline."""
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def require_local_or_hub(value: str, flag: str) -> None:
+    """Local paths always work; a Hub name needs the Hub (or HF_HUB_OFFLINE=1 and a warm HF cache)."""
+    if os.path.exists(value) or os.environ.get("HF_HUB_OFFLINE") == "1":
+        return
+    if not hub_is_reachable():
+        fail(
+            f"{flag} {value!r} is not a local path and the Hugging Face Hub is unreachable: pass a local path to {flag}"
+        )
+
+
+def derive_batch_size(total: int, parts: int, flags: str) -> int:
+    """Exact division of a global size into per-process / per-micro-batch sizes, or a one-line error."""
+    if total <= 0 or total % parts != 0:
+        fail(f"{flags}: {total} is not divisible into {parts} equal parts; change the flags so that it is")
+    return total // parts
+
+
+def load_tokenizer(name_or_path: str, flag: str):
+    """The base model's tokenizer with a pad token distinct from EOS, so the policy stays free to emit EOS.
+
+    detail: pad token — GPT-2 has none; we add `[PAD]`, which gets id 50257, one past the vocabulary. The embedding
+    matrix is not resized: pad ids are replaced by 0 before every forward (see `padded_forward`)."""
+    require_local_or_hub(name_or_path, flag)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError) as error:
+        fail(f"{flag} {name_or_path!r}: cannot load a tokenizer ({str(error).splitlines()[0]})")
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    return tokenizer
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of the token → id map: the reward model and the policy must read tokens the same way."""
+    import hashlib
+
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]))
+    return hashlib.sha256(vocab.encode()).hexdigest()[:16]
+
+
+def config_without_dropout(name_or_path: str, flag: str):
+    """detail: dropout off — every dropout probability of the config set to 0 (OAI trains without dropout; eval mode
+    alone would leave it on in the PPO forward passes, making the ratio at the first minibatch != 1)."""
+    require_local_or_hub(name_or_path, flag)
+    try:
+        config = AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError) as error:
+        fail(f"{flag} {name_or_path!r}: not a model directory or Hub id ({str(error).splitlines()[0]})")
+    for key, value in config.to_dict().items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    return config
+
+
+def assert_dropout_disabled(model: nn.Module) -> None:
+    for key, value in model.config.to_dict().items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            assert value == 0.0, f"config.{key} = {value}"
+    for name, module in model.named_modules():
+        assert not isinstance(module, nn.Dropout) or module.p == 0.0, f"{name}.p = {module.p}"
+
+
+def load_pretrained(model_class, name_or_path: str, flag: str) -> nn.Module:
+    """A pretrained model through the Auto classes with dropout forced to 0, in fp32."""
+    config = config_without_dropout(name_or_path, flag)
+    try:
+        model = model_class.from_pretrained(name_or_path, config=config, dtype=torch.float32)
+    except (OSError, ValueError) as error:
+        fail(f"{flag} {name_or_path!r}: cannot load as {model_class.__name__} ({str(error).splitlines()[0]})")
+    assert_dropout_disabled(model)
+    return model
+
+
+def disable_eos_stopping(lm: nn.Module) -> None:
+    """detail: fixed-length responses — OAI samples exactly response_length tokens and never stops at EOS. The
+    backbone's own generation_config must lose eos/pad ids: a fresh GenerationConfig alone is merged with it."""
+    lm.generation_config.eos_token_id = None
+    lm.generation_config.pad_token_id = None
+
+
+def right_padding_to_left_padding(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """Move every pad of each row to the left, keeping the real tokens in order (also pads in the middle).
+
+    detail: left padding — with it the last column is always a real token (OAI reads values at the last token).
+    Vectorised: a stable sort on the pad mask puts pads (key 0) before real tokens (key 1)."""
+    is_token = (tokens != pad_id).to(torch.int8)
+    order = torch.sort(is_token, dim=1, stable=True).indices  # (B, L)
+    return torch.gather(tokens, 1, order)
+
+
+def padded_forward(backbone: nn.Module, tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """Final hidden states (after the final layer norm) of left-padded `tokens`: (B, L, d_model).
+
+    detail: attention mask + position ids — pads are masked, real tokens get positions 0, 1, ... (exclusive cumsum of
+    the mask, so pads don't advance it) and pad ids never reach the embedding."""
+    attention_mask = tokens != pad_id
+    position_ids = attention_mask.cumsum(1) - attention_mask.long()
+    input_ids = torch.where(attention_mask, tokens, 0)
+    output = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return output.last_hidden_state
+
+
+def generate_responses(lm: nn.Module, queries: torch.Tensor, pad_id: int, response_length: int, temperature: float):
+    """Sample exactly `response_length` tokens per left-padded query: (B, T).
+
+    Position ids are not passed: generate() derives them from the attention mask (passing them broke sampling)."""
+    attention_mask = queries != pad_id
+    config = GenerationConfig(
+        max_new_tokens=response_length,
+        min_new_tokens=response_length,
+        do_sample=True,
+        top_k=0,
+        top_p=1.0,
+        temperature=temperature,
+    )
+    output = lm.generate(
+        input_ids=torch.where(attention_mask, queries, 0), attention_mask=attention_mask, generation_config=config
+    )
+    responses = output[:, queries.shape[1] :]
+    assert responses.shape[1] == response_length, f"generated {responses.shape[1]} tokens, not {response_length}"
+    return responses
+
+
+def truncate_responses(responses: torch.Tensor, truncate_token_id: int, truncate_after: int, pad_id: int):
+    """Post-processed responses and whether each had a truncate token at index >= truncate_after: ((B, T), (B,)).
+
+    detail: rejection sampling / truncation — every token strictly after the first truncate token at index >=
+    truncate_after becomes pad (OAI lm_tasks.py postprocess)."""
+    index = torch.arange(responses.shape[1], device=responses.device)  # (T,)
+    is_cut = (responses == truncate_token_id) & (index >= truncate_after)  # (B, T)
+    has_cut = is_cut.any(1)
+    first_cut = torch.where(has_cut, is_cut.int().argmax(1), responses.shape[1])  # (B,)
+    postprocessed = torch.where(index > first_cut[:, None], pad_id, responses)
+    return postprocessed, has_cut
+
+
+def whiten(values: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """OAI's whiten: biased variance (like tf.nn.moments) over the whole tensor; mean added back if not shift_mean."""
+    mean, var = values.mean(), values.var(unbiased=False)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened += mean
+    return whitened
+
+
+class AdamTensorFlowStyle(torch.optim.Optimizer):
+    """Adam as in TF1 (and so OAI): eps is added to sqrt(v) outside the bias correction,
+    `p -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)`.
+
+    detail: TF-style Adam — PyTorch's update divides by sqrt(v / (1 - b2^t)) + eps, i.e. its effective eps is
+    eps * sqrt(1 - b2^t) (~0.03 eps at t=1), so early updates are larger (blog: ~6x the approxkl early on)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-5):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(param)
+                    state["exp_avg_sq"] = torch.zeros_like(param)
+                state["step"] += 1
+                state["exp_avg"].lerp_(param.grad, 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(param.grad, param.grad, value=1 - beta2)
+                step_size = group["lr"] * math.sqrt(1 - beta2 ** state["step"]) / (1 - beta1 ** state["step"])
+                denominator = state["exp_avg_sq"].sqrt().add_(group["eps"])
+                param.addcdiv_(state["exp_avg"], denominator, value=-step_size)
+        return loss
+
+
+def make_optimizer(params, lr: float, eps: float, use_tensorflow_adam: bool) -> torch.optim.Optimizer:
+    if use_tensorflow_adam:
+        return AdamTensorFlowStyle(params, lr=lr, eps=eps)
+    return torch.optim.Adam(params, lr=lr, eps=eps)
+
+
+def load_query_texts(task: TaskHParams):
+    """The query texts: a local .txt (one per line) / .json / .jsonl file, or a Hub dataset (train split)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    path = task.query_dataset
+    if os.path.isfile(path):
+        kind = "json" if path.endswith((".json", ".jsonl")) else "text"
+        dataset = datasets.load_dataset(kind, data_files=path, split="train")
+    else:
+        require_local_or_hub(path, "--task.query-dataset")
+        try:
+            dataset = datasets.load_dataset(path, split="train")
+        except (OSError, ValueError, ConnectionError) as error:
+            fail(f"--task.query-dataset {path!r}: cannot load ({str(error).splitlines()[0]})")
+    if task.query_field not in dataset.column_names:
+        fail(f"--task.query-field {task.query_field!r} is not a column of {path} (columns: {dataset.column_names})")
+    return dataset
+
+
+def format_query(tokenizer, text_tokens: list[int], task: TaskHParams, pad_id: int) -> Optional[list[int]]:
+    """OAI's query algorithm: start after start_text, keep query_length tokens, end after the last end_text,
+    right-pad, then prefix ⊕ query ⊕ suffix (so pads can sit in the middle). None: the text yields no query."""
+    tokens = text_tokens
+    if task.start_text:
+        start = tokenizer.encode(task.start_text)
+        hits = [i for i in range(len(tokens) - len(start) + 1) if tokens[i : i + len(start)] == start]
+        if not hits:
+            return None
+        tokens = tokens[hits[0] + len(start) :]
+    tokens = tokens[: task.query_length]
+    if task.end_text:
+        end = tokenizer.encode(task.end_text)
+        hits = [i for i in range(len(tokens) - len(end) + 1) if tokens[i : i + len(end)] == end]
+        if not hits:
+            return None
+        tokens = tokens[: hits[-1] + len(end)]
+    if not tokens:
+        return None
+    padded = tokens + [pad_id] * (task.query_length - len(tokens))
+    return tokenizer.encode(task.query_prefix) + padded + tokenizer.encode(task.query_suffix)
+
+
+class QueryStream:
+    """Endless batches of left-padded queries: texts in a seeded random order per epoch, tokenized lazily in chunks.
+
+    All processes share the order (global seed); process r takes every world_size-th text, so none repeats a text
+    another process uses in the same epoch. `position` counts the texts consumed (for resuming)."""
+
+    def __init__(self, texts, tokenizer, task, pad_id, seed, rank=0, world_size=1, text_ids=None, chunk=256):
+        self.texts, self.tokenizer, self.task, self.pad_id = texts, tokenizer, task, pad_id
+        self.seed, self.rank, self.world_size, self.chunk = seed, rank, world_size, chunk
+        self.text_ids = np.arange(len(texts)) if text_ids is None else np.asarray(text_ids)
+        self.epoch, self.position, self.produced_in_epoch, self.buffer = 0, 0, 0, []
+        self.order = self._epoch_order()
+
+    def _epoch_order(self) -> np.ndarray:
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.text_ids))
+        return self.text_ids[order][self.rank :: self.world_size]
+
+    def next_batch(self, n: int) -> torch.Tensor:
+        while len(self.buffer) < n:
+            if self.position >= len(self.order):
+                if self.produced_in_epoch == 0:
+                    fail(f"--task.query-dataset {self.task.query_dataset!r}: no text yields a query")
+                self.epoch, self.position, self.produced_in_epoch = self.epoch + 1, 0, 0
+                self.order = self._epoch_order()
+            ids = self.order[self.position : self.position + self.chunk]
+            self.position += len(ids)
+            texts = [self.texts[int(i)] for i in ids]
+            for tokens in self.tokenizer(texts, add_special_tokens=False)["input_ids"]:
+                query = format_query(self.tokenizer, tokens, self.task, self.pad_id)
+                if query is not None:
+                    self.buffer.append(query)
+                    self.produced_in_epoch += 1
+        batch, self.buffer = self.buffer[:n], self.buffer[n:]
+        return right_padding_to_left_padding(torch.tensor(batch), self.pad_id)
+
+
+class RewardModel(nn.Module):
+    """A pretrained backbone (no LM head) + a scalar head on the last token's final hidden state, with OAI's
+    `reward_gain` / `reward_bias`: r = gain * head(h_last) + bias. Inputs are left-padded query ⊕ response."""
+
+    def __init__(self, backbone: nn.Module, pad_id: int):
+        super().__init__()
+        self.backbone, self.pad_id = backbone, pad_id
+        hidden_size = backbone.config.hidden_size
+        self.scalar_head = nn.Linear(hidden_size, 1)
+        # detail: reward head init — N(0, 1/sqrt(d_model + 1)), bias 0 (OAI model.py)
+        nn.init.normal_(self.scalar_head.weight, std=1 / math.sqrt(hidden_size + 1))
+        nn.init.zeros_(self.scalar_head.bias)
+        self.reward_gain = nn.Parameter(torch.tensor(1.0))
+        self.reward_bias = nn.Parameter(torch.tensor(0.0))
+
+    def forward(self, query_responses: torch.Tensor) -> torch.Tensor:
+        query_responses = right_padding_to_left_padding(query_responses, self.pad_id)  # pads of responses go left
+        hidden = padded_forward(self.backbone, query_responses, self.pad_id)[:, -1]  # (B, d_model)
+        return self.reward_gain * self.scalar_head(hidden).squeeze(-1) + self.reward_bias  # (B,)
+
+    def save(self, directory: Path, tokenizer, base_model: str) -> None:
+        self.backbone.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        head = {name: tensor.detach().cpu().contiguous() for name, tensor in self.state_dict().items()}
+        save_file(
+            {k: v for k, v in head.items() if not k.startswith("backbone.")}, directory / "reward_head.safetensors"
+        )
+        info = dict(base_model=base_model, pad_id=self.pad_id, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
+        (directory / "reward_model.json").write_text(json.dumps(info, indent=2))
+
+    @classmethod
+    def from_saved(cls, directory: str, flag: str) -> "RewardModel":
+        if not os.path.isfile(os.path.join(directory, "reward_head.safetensors")):
+            fail(f"{flag} {directory!r}: not a reward model directory (no reward_head.safetensors)")
+        info = json.loads(Path(directory, "reward_model.json").read_text())
+        model = cls(load_pretrained(AutoModel, directory, flag), info["pad_id"])
+        model.load_state_dict(load_file(os.path.join(directory, "reward_head.safetensors")), strict=False)
+        return model
+
+
+def simulated_labeler_scores(labeler: str, texts: list[str]) -> list[float]:
+    """Offline stand-ins for OAI's human labelers (SPEC §9): `sentiment` = VADER compound score in [-1, 1];
+    `descriptiveness` = share of adjective/adverb tags (textblob's offline PatternTagger) among the words."""
+    if labeler == "sentiment":
+        from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+        analyzer = SentimentIntensityAnalyzer()
+        return [analyzer.polarity_scores(text)["compound"] for text in texts]
+    if labeler == "descriptiveness":
+        from textblob.en.taggers import PatternTagger
+
+        tagger, scores = PatternTagger(), []
+        for text in texts:
+            tags = [tag for word, tag in tagger.tag(text) if any(c.isalpha() for c in word)]
+            scores.append(sum(tag.startswith(("JJ", "RB")) for tag in tags) / max(len(tags), 1))
+        return scores
+    raise ValueError(f"unknown labeler {labeler!r}")
+
+
+def decode(tokenizer, tokens: torch.Tensor) -> list[str]:
+    return tokenizer.batch_decode(tokens, skip_special_tokens=True)
+
+
+def prepare_output_dir(output_dir: str, finished_marker: str, overwrite: bool) -> Path:
+    """Create the output directory, refusing to touch a finished run, and check it is writable now, not later."""
+    path = Path(output_dir)
+    if (path / finished_marker).exists() and not overwrite:
+        fail(f"--output-dir {output_dir!r} already holds a finished run; pass --overwrite or another --output-dir")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        fail(f"--output-dir {output_dir!r} is not writable ({error.strerror})")
+    return path
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def save_directory_atomic(path: Path, write) -> None:
+    """write(tmp_dir) then rename: a crash never leaves a half-written directory under the final name."""
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir(parents=True)
+    write(temporary)
+    if path.exists():
+        previous = path.with_name(f".{path.name}.old-{os.getpid()}")
+        os.replace(path, previous)
+        os.replace(temporary, path)
+        shutil.rmtree(previous)
+    else:
+        os.replace(temporary, path)
+
+
+class RunLogger:
+    """metrics.jsonl (one JSON object per logged step, flushed), wandb behind --track, rich console (rank 0 only)."""
+
+    def __init__(self, accelerator: Accelerator, output_dir: Path, args, track: bool):
+        self.enabled, self.console, self.wandb = accelerator.is_main_process, Console(), None
+        if not self.enabled:
+            return
+        self.file = open(output_dir / "metrics.jsonl", "a")
+        if track:
+            import wandb
+
+            self.wandb = wandb.init(
+                project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name, config=asdict(args)
+            )
+
+    def log(self, row: dict, step: int) -> None:
+        if self.enabled:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+            if self.wandb is not None:
+                self.wandb.log(row, step=step)
+
+    def table(self, title: str, columns: list[str], rows: list[list]) -> None:
+        if self.enabled:
+            table = Table(title=title, show_lines=True)
+            for column in columns:
+                table.add_column(column)
+            for row in rows:
+                table.add_row(*[f"{value:.3f}" if isinstance(value, float) else str(value) for value in row])
+            self.console.print(table)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            if self.wandb is not None:
+                self.wandb.finish()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# End of the shared helpers.
+# ---------------------------------------------------------------------------------------------------------------------
+def validate_args(args: Args) -> Args:
+    """Derive every per-process size in one place and reject inconsistent flags before anything is loaded."""
+    ppo = args.ppo
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.local_batch_size = derive_batch_size(ppo.batch_size, args.world_size, "--ppo.batch-size / number of processes")
+    args.local_mini_batch_size = derive_batch_size(
+        args.local_batch_size, ppo.nminibatches, "--ppo.batch-size / (processes * --ppo.nminibatches)"
+    )
+    args.micro_batch_size = derive_batch_size(
+        args.local_mini_batch_size,
+        ppo.gradient_accumulation_steps,
+        "--ppo.batch-size / (processes * --ppo.nminibatches * --ppo.gradient-accumulation-steps)",
+    )
+    if ppo.whiten_rewards and args.local_mini_batch_size < MIN_WHITEN_ROWS:
+        fail(
+            f"--ppo.whiten-rewards needs >= {MIN_WHITEN_ROWS} rows per process-minibatch, got "
+            f"{args.local_mini_batch_size}: raise --ppo.batch-size or lower --ppo.nminibatches / processes"
+        )
+    if not 0 <= args.task.truncate_after < args.task.response_length:
+        fail("--task.truncate-after must be >= 0 and < --task.response-length")
+    if args.rewards.trained_model is None:
+        fail("--rewards.trained-model is required: the reward_model/ directory written by train_reward_accelerate.py")
+    args.num_updates = math.ceil(ppo.total_episodes / ppo.batch_size)
+    args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    args.output_dir = args.output_dir or os.path.join("runs", args.run_name)
+    return args
+
+
+class AdaptiveKLController:
+    """OAI's controller: kl_coef *= 1 + clip(KL / target - 1, ±0.2) * n_steps / horizon."""
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int):
+        self.value, self.target, self.horizon = init_kl_coef, target, horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        proportional_error = float(np.clip(current_kl / self.target - 1, -KL_ERROR_CLIP, KL_ERROR_CLIP))
+        self.value *= 1 + proportional_error * n_steps / self.horizon
+
+
+class FixedKLController:
+    def __init__(self, kl_coef: float):
+        self.value = kl_coef
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+
+class PolicyAndValueWrapper(nn.Module):
+    """The policy LM and a value head sharing its trunk (one model, one optimizer, like OAI).
+
+    The value head is zero-initialised (weight 0, bias 0), so the first values are exactly 0."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+        self.value_head = nn.Linear(lm.config.hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, query_responses: torch.Tensor, context_length: int, pad_id: int, temperature: float):
+        """Logits / temperature and values at the T positions that predict the response: ((B, T, V), (B, T))."""
+        hidden = padded_forward(self.lm.base_model, query_responses, pad_id)[:, context_length - 1 : -1]  # (B, T, d)
+        return self.lm.get_output_embeddings()(hidden) / temperature, self.value_head(hidden).squeeze(-1)
+
+
+def lm_logits(lm: nn.Module, query_responses: torch.Tensor, context_length: int, pad_id: int, temperature: float):
+    """detail: LM head only where needed — vocabulary logits of the response positions only, divided by the sampling
+    temperature (detail: without it the KL grows too fast): (B, T, V)."""
+    hidden = padded_forward(lm.base_model, query_responses, pad_id)[:, context_length - 1 : -1]  # (B, T, d)
+    return lm.get_output_embeddings()(hidden) / temperature
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(token) under the logits: (B, T)."""
+    return torch.gather(F.log_softmax(logits.float(), dim=-1), 2, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the full distribution at each position: (B, T)."""
+    probabilities = F.softmax(logits.float(), dim=-1)
+    return torch.logsumexp(logits.float(), dim=-1) - (probabilities * logits.float()).sum(-1)
+
+
+def score_responses(reward_model, queries, responses, truncate_token_id, args: Args):
+    """Post-process responses and score them, the penalty replacing the score of responses never cut: (B, T), (B,)."""
+    postprocessed, has_cut = truncate_responses(
+        responses, truncate_token_id, args.task.truncate_after, reward_model.pad_id
+    )
+    scores = reward_model(torch.cat([queries, postprocessed], 1))  # (B,)
+    return postprocessed, torch.where(has_cut, scores, torch.full_like(scores, args.task.penalty_reward_value))
+
+
+def compute_advantages(rewards: torch.Tensor, values: torch.Tensor, ppo: PpoHParams):
+    """Whitened rewards → GAE → returns and whitened advantages, over the rows given: ((B, T), (B, T)).
+
+    GAE with bootstrap value 0 after the last token: δ_t = r_t + γ V_{t+1} - V_t, A_t = δ_t + γ λ A_{t+1}."""
+    if ppo.whiten_rewards:
+        rewards = whiten(rewards, shift_mean=False)  # detail: reward whitening (OAI ppo.py, shift_mean=False)
+    last_advantage, advantages = 0.0, []
+    for t in reversed(range(rewards.shape[1])):
+        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else 0.0
+        delta = rewards[:, t] + ppo.gamma * next_value - values[:, t]
+        last_advantage = delta + ppo.gamma * ppo.lam * last_advantage
+        advantages.append(last_advantage)
+    advantages = torch.stack(advantages[::-1], 1)  # (B, T)
+    returns = advantages + values
+    return whiten(advantages), returns  # detail: advantage whitening (shift_mean=True)
+
+
+def ppo_losses(new_logprobs, vpred, logprobs, values, advantages, returns, ppo: PpoHParams):
+    """Clipped policy and value losses, means over all B×T tokens (OAI: no response mask), and their statistics."""
+    vpred_clipped = values + torch.clamp(vpred - values, -ppo.cliprange_value, ppo.cliprange_value)
+    vf_losses = torch.max((vpred - returns) ** 2, (vpred_clipped - returns) ** 2)
+    vf_loss = 0.5 * vf_losses.mean()
+    log_ratio = new_logprobs - logprobs
+    ratio = torch.exp(log_ratio)
+    pg_losses = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - ppo.cliprange, 1 + ppo.cliprange))
+    pg_loss = pg_losses.mean()
+    loss = pg_loss + ppo.vf_coef * vf_loss
+    with torch.no_grad():
+        stats = {
+            "ppo/loss/policy": pg_loss,
+            "ppo/loss/value": vf_loss,
+            "ppo/loss/total": loss,
+            "ppo/policy/approxkl": 0.5 * (log_ratio**2).mean(),
+            "ppo/policy/clipfrac": ((ratio - 1).abs() > ppo.cliprange).float().mean(),
+            "ppo/val/vpred": vpred.mean(),
+            "ppo/val/error": ((vpred - returns) ** 2).mean(),
+            "ppo/val/clipfrac": ((vpred - values).abs() > ppo.cliprange_value).float().mean(),
+            "ppo/returns/mean": returns.mean(),
+            "ppo/returns/var": returns.var(unbiased=False),
+        }
+    return loss, stats
+
+
+@torch.no_grad()
+def rollout(policy, ref_lm, reward_model, queries, truncate_token_id, args: Args):
+    """Sample responses and compute everything PPO needs, in chunks of --local-rollout-forward-batch-size rows."""
+    pad_id, context_length, temperature = reward_model.pad_id, queries.shape[1], args.task.temperature
+    outputs = []
+    for start in range(0, queries.shape[0], args.local_rollout_forward_batch_size):
+        query = queries[start : start + args.local_rollout_forward_batch_size]
+        response = generate_responses(policy.lm, query, pad_id, args.task.response_length, temperature)
+        query_response = torch.cat([query, response], 1)  # (b, C + T)
+        logits, value = policy(query_response, context_length, pad_id, temperature)
+        ref_logits = lm_logits(ref_lm, query_response, context_length, pad_id, temperature)
+        postprocessed, score = score_responses(reward_model, query, response, truncate_token_id, args)
+        outputs.append(
+            dict(
+                responses=response,
+                postprocessed_responses=postprocessed,
+                logprobs=logprobs_from_logits(logits, response),
+                ref_logprobs=logprobs_from_logits(ref_logits, response),
+                values=value,
+                scores=score,
+            )
+        )
+    return {key: torch.cat([output[key] for output in outputs]) for key in outputs[0]}
+
+
+@torch.no_grad()
+def evaluate_gold(accelerator, policy, ref_lm, reward_model, eval_queries, tokenizer, truncate_token_id, args, update):
+    """Held-out evaluation: the same queries and sampling seed every time; the learned reward model's score
+    (eval/rm_score, penalty applied) next to the simulated labeler's (eval/gold_score) on the post-processed text."""
+    local = eval_queries[accelerator.process_index :: accelerator.num_processes]
+    queries = local.repeat_interleave(args.eval_samples_per_query, 0).to(accelerator.device)
+    devices = [accelerator.device] if accelerator.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(EVAL_SEED + accelerator.process_index)
+        data = rollout(policy, ref_lm, reward_model, queries, truncate_token_id, args)
+    kl = (data["logprobs"] - data["ref_logprobs"]).sum(1)
+    texts = decode(tokenizer, data["postprocessed_responses"])
+    gold = simulated_labeler_scores(args.task.gold_labeler, texts)
+    query_ids = torch.arange(len(eval_queries))[accelerator.process_index :: accelerator.num_processes]
+    rows = [
+        dict(update=update, query_index=int(q), query=text_q, response=text, gold_score=g, rm_score=s, kl=k)
+        for q, text_q, text, g, s, k in zip(
+            query_ids.repeat_interleave(args.eval_samples_per_query).tolist(),
+            decode(tokenizer, queries),
+            texts,
+            gold,
+            data["scores"].tolist(),
+            kl.tolist(),
+            strict=True,
+        )
+    ]
+    rows = gather_object(rows)
+    metrics = {
+        "eval/gold_score": float(np.mean([r["gold_score"] for r in rows])),
+        "eval/rm_score": float(np.mean([r["rm_score"] for r in rows])),
+        "eval/kl": float(np.mean([r["kl"] for r in rows])),
+    }
+    return metrics, rows
+
+
+def check_reward_model(directory: str, tokenizer) -> None:
+    """The reward model must read tokens exactly as the policy writes them; checked before any model is loaded."""
+    info_path = Path(directory, "reward_model.json")
+    if not info_path.is_file():
+        fail(f"--rewards.trained-model {directory!r}: not a reward model directory (no reward_model.json)")
+    info = json.loads(info_path.read_text())
+    if info.get("tokenizer_fingerprint") != tokenizer_fingerprint(tokenizer):
+        fail(
+            f"--rewards.trained-model {directory!r} was trained with another tokenizer/vocabulary "
+            f"({info.get('base_model')}) than --base-model"
+        )
+
+
+def main(args: Args) -> None:
+    args = validate_args(args)
+    if args.dry_run:
+        keys = ("world_size", "local_batch_size", "local_mini_batch_size", "micro_batch_size", "num_updates")
+        print(json.dumps({"dry_run": "ok", **{key: getattr(args, key) for key in keys}}))
+        return
+    tokenizer = load_tokenizer(args.base_model, "--base-model")
+    pad_id = tokenizer.pad_token_id
+    truncate_token_ids = tokenizer.encode(args.task.truncate_token)
+    if len(truncate_token_ids) != 1:
+        fail(f"--task.truncate-token {args.task.truncate_token!r} is {len(truncate_token_ids)} tokens, not 1")
+    truncate_token_id = truncate_token_ids[0]
+    check_reward_model(args.rewards.trained_model, tokenizer)
+    output_dir = prepare_output_dir(args.output_dir, "policy", args.overwrite)
+    accelerator = Accelerator(gradient_accumulation_steps=args.ppo.gradient_accumulation_steps)
+    device = accelerator.device
+    logger = RunLogger(accelerator, output_dir, args, args.track)
+    if accelerator.is_main_process:
+        write_text_atomic(output_dir / "args.json", json.dumps(asdict(args), indent=2))
+    torch.manual_seed(args.seed)
+    policy = PolicyAndValueWrapper(load_pretrained(AutoModelForCausalLM, args.base_model, "--base-model"))
+    disable_eos_stopping(policy.lm)
+    ref_lm = load_pretrained(AutoModelForCausalLM, args.base_model, "--base-model").to(device).eval()
+    reward_model = RewardModel.from_saved(args.rewards.trained_model, "--rewards.trained-model").to(device).eval()
+    for param in [*ref_lm.parameters(), *reward_model.parameters()]:
+        param.requires_grad_(False)
+    optimizer = make_optimizer(policy.parameters(), args.ppo.lr, args.ppo.eps, args.use_tensorflow_adam)
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    unwrapped = accelerator.unwrap_model(policy)
+    torch.manual_seed(args.seed + accelerator.process_index * RANK_SEED_STRIDE)  # detail: per-process sampling seed
+    texts = load_query_texts(args.task)[args.task.query_field]
+    eval_queries, train_text_ids = None, None
+    if args.task.gold_labeler is not None:  # held-out queries: the last texts of the dataset, kept out of training
+        held_out = QueryStream(texts, tokenizer, args.task, pad_id, seed=EVAL_SEED)
+        eval_queries = held_out.next_batch(args.eval_queries)
+        train_text_ids = held_out.order[held_out.position :]
+    stream = QueryStream(
+        texts,
+        tokenizer,
+        args.task,
+        pad_id,
+        args.seed,
+        accelerator.process_index,
+        accelerator.num_processes,
+        train_text_ids,
+    )
+    if args.rewards.use_adaptive_kl:
+        kl_ctl = AdaptiveKLController(
+            args.rewards.kl_coef, args.rewards.adaptive_kl.target, args.rewards.adaptive_kl.horizon
+        )
+    else:
+        kl_ctl = FixedKLController(args.rewards.kl_coef)
+    ppo, start_time = args.ppo, time.time()
+
+    def run_eval(update: int) -> dict:
+        metrics, rows = evaluate_gold(
+            accelerator, unwrapped, ref_lm, reward_model, eval_queries, tokenizer, truncate_token_id, args, update
+        )
+        if accelerator.is_main_process:
+            with open(output_dir / "eval_samples.jsonl", "a") as file:
+                file.writelines(json.dumps(row) + "\n" for row in rows)
+            logger.console.print(f"update {update}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        return metrics
+
+    initial_eval = run_eval(0) if eval_queries is not None else {}
+    for update in track(range(1, args.num_updates + 1), "PPO", disable=not accelerator.is_main_process):
+        lr = ppo.lr * (1 - (update - 1) / args.num_updates)  # detail: lr annealed linearly per update
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        kl_coef = kl_ctl.value  # the rewards of this update use the coefficient from before its KL update
+        # 1. rollout
+        queries = stream.next_batch(args.local_batch_size).to(device)  # (B, C)
+        rollout_start = time.time()
+        data = rollout(unwrapped, ref_lm, reward_model, queries, truncate_token_id, args)
+        responses, logprobs, values = data["responses"], data["logprobs"], data["values"]  # (B, T) each
+        query_responses = torch.cat([queries, responses], 1)  # (B, C + T)
+        context_length = queries.shape[1]
+        # 2. post-process responses and score: done in `rollout` (truncate after the truncate token, penalty)
+        scores = data["scores"]  # (B,)
+        # 3. per-token KL rewards, the score added on the last token (even when the response was cut earlier)
+        kl = logprobs - data["ref_logprobs"]  # (B, T)
+        non_score_reward = -kl_coef * kl
+        rewards = non_score_reward.clone()
+        rewards[:, -1] += scores
+        rollout_time = time.time() - rollout_start
+        # 4. whiten rewards and 5. GAE: per minibatch inside the epochs, like OAI's ppo.py (once per batch when
+        # nminibatches = 1, OAI's setting for every task)
+        # 6. PPO epochs
+        ppo_start, ppo_stats = time.time(), []
+        for _ in range(ppo.noptepochs):
+            permutation = torch.randperm(args.local_batch_size, device=device)
+            for mini_start in range(0, args.local_batch_size, args.local_mini_batch_size):
+                mini_ids = permutation[mini_start : mini_start + args.local_mini_batch_size]
+                advantages, returns = compute_advantages(rewards[mini_ids], values[mini_ids], ppo)
+                for micro_start in range(0, args.local_mini_batch_size, args.micro_batch_size):
+                    micro = slice(micro_start, micro_start + args.micro_batch_size)
+                    ids = mini_ids[micro]
+                    with accelerator.accumulate(policy):
+                        logits, vpred = policy(query_responses[ids], context_length, pad_id, args.task.temperature)
+                        new_logprobs = logprobs_from_logits(logits, responses[ids])
+                        loss, stats = ppo_losses(
+                            new_logprobs, vpred, logprobs[ids], values[ids], advantages[micro], returns[micro], ppo
+                        )
+                        accelerator.backward(loss)
+                        optimizer.step()
+                        optimizer.zero_grad()
+                    stats["ppo/policy/entropy"] = entropy_from_logits(logits.detach()).mean()
+                    ppo_stats.append(torch.stack(list(stats.values())))
+        ppo_time = time.time() - ppo_start
+        # 7. log: every metric averaged over all micro-batches and processes, in one reduction
+        sequence_kl = kl.sum(1)  # (B,)
+        rollout_stats = {
+            "objective/kl": sequence_kl.mean(),
+            "objective/entropy": (-logprobs).sum(1).mean(),
+            "objective/non_score_reward": non_score_reward.sum(1).mean(),
+            "objective/scores": scores.mean(),
+            "objective/score_total": (scores + non_score_reward.sum(1)).mean(),
+            "ppo/val/mean": values.mean(),
+            "ppo/val/var": values.var(unbiased=False),
+        }
+        local = torch.cat([torch.stack(list(rollout_stats.values())), torch.stack(ppo_stats).mean(0)])
+        reduced = accelerator.reduce(local, "mean").tolist()
+        row = dict(zip([*rollout_stats, *stats], reduced, strict=True))
+        # detail: adaptive KL from the KL averaged over all processes (the blog's code used one process's KL)
+        kl_ctl.update(row["objective/kl"], ppo.batch_size)
+        elapsed = time.time() - start_time
+        row.update({
+            "objective/kl_coef": kl_coef,
+            "ppo/val/var_explained": 1 - row["ppo/val/error"] / max(row["ppo/returns/var"], 1e-8),
+            "ppo/lr": lr,
+            "ppo/episode": update * ppo.batch_size,
+            "elapsed/time": elapsed,
+            "elapsed/fps": update * ppo.batch_size * args.task.response_length / elapsed,
+            "time/rollout": rollout_time,
+            "time/ppo_epochs": ppo_time,
+        })  # fmt: skip
+        if eval_queries is not None and (update % args.eval_every == 0 or update == args.num_updates):
+            row.update(run_eval(update))
+        if update % args.print_sample_output_freq == 0 or update == 1 or update == args.num_updates:
+            total_reward = scores + non_score_reward.sum(1)
+            samples = [
+                dict(update=update, query=q, response=r, score=s, kl=k, total_reward=t)
+                for q, r, s, k, t in zip(
+                    decode(tokenizer, queries[:SAMPLE_ROWS]),
+                    decode(tokenizer, data["postprocessed_responses"][:SAMPLE_ROWS]),
+                    scores[:SAMPLE_ROWS].tolist(),
+                    sequence_kl[:SAMPLE_ROWS].tolist(),
+                    total_reward[:SAMPLE_ROWS].tolist(),
+                    strict=True,
+                )
+            ]
+            if accelerator.is_main_process:
+                with open(output_dir / "samples.jsonl", "a") as file:
+                    file.writelines(json.dumps(sample) + "\n" for sample in samples)
+            logger.table(f"update {update}", ["query", "response", "score", "kl", "total reward"],
+                         [list(sample.values())[1:] for sample in samples])  # fmt: skip
+            logger.console.print(
+                f"update {update}/{args.num_updates}: score {row['objective/scores']:.3f} kl {row['objective/kl']:.3f} "
+                f"kl_coef {kl_coef:.4f} approxkl {row['ppo/policy/approxkl']:.4f} {row['elapsed/fps']:.0f} tokens/s"
+            )
+        logger.log({"update": update, "episode": update * ppo.batch_size, **row}, update)
+    if initial_eval:
+        final = row
+        logger.console.print(
+            f"gold score {initial_eval['eval/gold_score']:.4f} -> {final['eval/gold_score']:.4f}, "
+            f"rm score {initial_eval['eval/rm_score']:.4f} -> {final['eval/rm_score']:.4f}, kl {final['eval/kl']:.3f}"
+        )
+    # 8. save
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        unwrapped.lm.generation_config.eos_token_id = (
+            tokenizer.eos_token_id
+        )  # users of the saved policy may stop at EOS
+
+        def write(directory: Path) -> None:
+            unwrapped.lm.save_pretrained(directory)
+            tokenizer.save_pretrained(directory)
+            save_file(
+                {k: v.contiguous() for k, v in unwrapped.value_head.state_dict().items()},
+                directory / "value_head.safetensors",
+            )
+
+        save_directory_atomic(output_dir / "policy", write)
+        logger.console.print(f"saved {output_dir / 'policy'}")
+        if args.upload_model:
+            unwrapped.lm.push_to_hub(args.hf_repo_id or args.run_name)
+            tokenizer.push_to_hub(args.hf_repo_id or args.run_name)
+    accelerator.wait_for_everyone()
+    logger.close()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
