@@ -374,6 +374,11 @@ class AdamTensorFlowStyle(torch.optim.Optimizer):
         return loss
 
 
+def linear_lr(base_lr: float, step: int, num_steps: int) -> float:
+    """detail: linear lr anneal — lr * (1 - step / num_steps) for step = 0 .. num_steps - 1 (never exactly 0)."""
+    return base_lr * (1 - step / num_steps)
+
+
 def make_optimizer(params, lr: float, eps: float, use_tensorflow_adam: bool) -> torch.optim.Optimizer:
     if use_tensorflow_adam:
         return AdamTensorFlowStyle(params, lr=lr, eps=eps)
@@ -405,14 +410,14 @@ def format_query(tokenizer, text_tokens: list[int], task: TaskHParams, pad_id: i
     right-pad, then prefix ⊕ query ⊕ suffix (so pads can sit in the middle). None: the text yields no query."""
     tokens = text_tokens
     if task.start_text:
-        start = tokenizer.encode(task.start_text)
+        start = tokenizer.encode(task.start_text, add_special_tokens=False)
         hits = [i for i in range(len(tokens) - len(start) + 1) if tokens[i : i + len(start)] == start]
         if not hits:
             return None
         tokens = tokens[hits[0] + len(start) :]
     tokens = tokens[: task.query_length]
     if task.end_text:
-        end = tokenizer.encode(task.end_text)
+        end = tokenizer.encode(task.end_text, add_special_tokens=False)
         hits = [i for i in range(len(tokens) - len(end) + 1) if tokens[i : i + len(end)] == end]
         if not hits:
             return None
@@ -420,7 +425,10 @@ def format_query(tokenizer, text_tokens: list[int], task: TaskHParams, pad_id: i
     if not tokens:
         return None
     padded = tokens + [pad_id] * (task.query_length - len(tokens))
-    return tokenizer.encode(task.query_prefix) + padded + tokenizer.encode(task.query_suffix)
+    prefix, suffix = (
+        tokenizer.encode(text, add_special_tokens=False) for text in (task.query_prefix, task.query_suffix)
+    )
+    return prefix + padded + suffix
 
 
 class QueryStream:
@@ -495,7 +503,13 @@ class RewardModel(nn.Module):
             fail(f"{flag} {directory!r}: not a reward model directory (no reward_head.safetensors)")
         info = json.loads(Path(directory, "reward_model.json").read_text())
         model = cls(load_pretrained(AutoModel, directory, flag), info["pad_id"])
-        model.load_state_dict(load_file(os.path.join(directory, "reward_head.safetensors")), strict=False)
+        missing, unexpected = model.load_state_dict(
+            load_file(os.path.join(directory, "reward_head.safetensors")), strict=False
+        )
+        if unexpected or any(not key.startswith("backbone.") for key in missing):
+            fail(
+                f"{flag} {directory!r}: reward_head.safetensors does not match (missing {missing}, unexpected {unexpected})"
+            )
         return model
 
 
@@ -691,6 +705,16 @@ def score_responses(reward_model, queries, responses, truncate_token_id, args: A
     return postprocessed, torch.where(has_cut, scores, torch.full_like(scores, args.task.penalty_reward_value))
 
 
+def compute_rewards(scores, logprobs, ref_logprobs, kl_coef: float):
+    """Per-token rewards: -kl_coef * (logprobs - ref_logprobs) everywhere, plus the score on the last token T-1 —
+    always the last, even when the response was truncated earlier (OAI). Returns (kl, non_score_reward, rewards)."""
+    kl = logprobs - ref_logprobs  # (B, T)
+    non_score_reward = -kl_coef * kl
+    rewards = non_score_reward.clone()
+    rewards[:, -1] += scores
+    return kl, non_score_reward, rewards
+
+
 def compute_advantages(rewards: torch.Tensor, values: torch.Tensor, ppo: PpoHParams):
     """Whitened rewards → GAE → returns and whitened advantages, over the rows given: ((B, T), (B, T)).
 
@@ -711,12 +735,13 @@ def compute_advantages(rewards: torch.Tensor, values: torch.Tensor, ppo: PpoHPar
 def ppo_losses(new_logprobs, vpred, logprobs, values, advantages, returns, ppo: PpoHParams):
     """Clipped policy and value losses, means over all B×T tokens (OAI: no response mask), and their statistics."""
     vpred_clipped = values + torch.clamp(vpred - values, -ppo.cliprange_value, ppo.cliprange_value)
-    vf_losses = torch.max((vpred - returns) ** 2, (vpred_clipped - returns) ** 2)
-    vf_loss = 0.5 * vf_losses.mean()
+    vf_losses1, vf_losses2 = (vpred - returns) ** 2, (vpred_clipped - returns) ** 2
+    vf_loss = 0.5 * torch.max(vf_losses1, vf_losses2).mean()
     log_ratio = new_logprobs - logprobs
     ratio = torch.exp(log_ratio)
-    pg_losses = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - ppo.cliprange, 1 + ppo.cliprange))
-    pg_loss = pg_losses.mean()
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - ppo.cliprange, 1 + ppo.cliprange)
+    pg_loss = torch.max(pg_losses1, pg_losses2).mean()
     loss = pg_loss + ppo.vf_coef * vf_loss
     with torch.no_grad():
         stats = {
@@ -724,10 +749,10 @@ def ppo_losses(new_logprobs, vpred, logprobs, values, advantages, returns, ppo: 
             "ppo/loss/value": vf_loss,
             "ppo/loss/total": loss,
             "ppo/policy/approxkl": 0.5 * (log_ratio**2).mean(),
-            "ppo/policy/clipfrac": ((ratio - 1).abs() > ppo.cliprange).float().mean(),
+            "ppo/policy/clipfrac": (pg_losses2 > pg_losses1).float().mean(),  # OAI: where the clipped term wins
             "ppo/val/vpred": vpred.mean(),
             "ppo/val/error": ((vpred - returns) ** 2).mean(),
-            "ppo/val/clipfrac": ((vpred - values).abs() > ppo.cliprange_value).float().mean(),
+            "ppo/val/clipfrac": (vf_losses2 > vf_losses1).float().mean(),
             "ppo/returns/mean": returns.mean(),
             "ppo/returns/var": returns.var(unbiased=False),
         }
@@ -815,7 +840,7 @@ def main(args: Args) -> None:
         return
     tokenizer = load_tokenizer(args.base_model, "--base-model")
     pad_id = tokenizer.pad_token_id
-    truncate_token_ids = tokenizer.encode(args.task.truncate_token)
+    truncate_token_ids = tokenizer.encode(args.task.truncate_token, add_special_tokens=False)
     if len(truncate_token_ids) != 1:
         fail(f"--task.truncate-token {args.task.truncate_token!r} is {len(truncate_token_ids)} tokens, not 1")
     truncate_token_id = truncate_token_ids[0]
@@ -873,7 +898,7 @@ def main(args: Args) -> None:
 
     initial_eval = run_eval(0) if eval_queries is not None else {}
     for update in track(range(1, args.num_updates + 1), "PPO", disable=not accelerator.is_main_process):
-        lr = ppo.lr * (1 - (update - 1) / args.num_updates)  # detail: lr annealed linearly per update
+        lr = linear_lr(ppo.lr, update - 1, args.num_updates)  # per update, constant within it
         for group in optimizer.param_groups:
             group["lr"] = lr
         kl_coef = kl_ctl.value  # the rewards of this update use the coefficient from before its KL update
@@ -887,10 +912,7 @@ def main(args: Args) -> None:
         # 2. post-process responses and score: done in `rollout` (truncate after the truncate token, penalty)
         scores = data["scores"]  # (B,)
         # 3. per-token KL rewards, the score added on the last token (even when the response was cut earlier)
-        kl = logprobs - data["ref_logprobs"]  # (B, T)
-        non_score_reward = -kl_coef * kl
-        rewards = non_score_reward.clone()
-        rewards[:, -1] += scores
+        kl, non_score_reward, rewards = compute_rewards(scores, logprobs, data["ref_logprobs"], kl_coef)  # (B, T)
         rollout_time = time.time() - rollout_start
         # 4. whiten rewards and 5. GAE: per minibatch inside the epochs, like OAI's ppo.py (once per batch when
         # nminibatches = 1, OAI's setting for every task)

@@ -349,6 +349,11 @@ class AdamTensorFlowStyle(torch.optim.Optimizer):
         return loss
 
 
+def linear_lr(base_lr: float, step: int, num_steps: int) -> float:
+    """detail: linear lr anneal — lr * (1 - step / num_steps) for step = 0 .. num_steps - 1 (never exactly 0)."""
+    return base_lr * (1 - step / num_steps)
+
+
 def make_optimizer(params, lr: float, eps: float, use_tensorflow_adam: bool) -> torch.optim.Optimizer:
     if use_tensorflow_adam:
         return AdamTensorFlowStyle(params, lr=lr, eps=eps)
@@ -380,14 +385,14 @@ def format_query(tokenizer, text_tokens: list[int], task: TaskHParams, pad_id: i
     right-pad, then prefix ⊕ query ⊕ suffix (so pads can sit in the middle). None: the text yields no query."""
     tokens = text_tokens
     if task.start_text:
-        start = tokenizer.encode(task.start_text)
+        start = tokenizer.encode(task.start_text, add_special_tokens=False)
         hits = [i for i in range(len(tokens) - len(start) + 1) if tokens[i : i + len(start)] == start]
         if not hits:
             return None
         tokens = tokens[hits[0] + len(start) :]
     tokens = tokens[: task.query_length]
     if task.end_text:
-        end = tokenizer.encode(task.end_text)
+        end = tokenizer.encode(task.end_text, add_special_tokens=False)
         hits = [i for i in range(len(tokens) - len(end) + 1) if tokens[i : i + len(end)] == end]
         if not hits:
             return None
@@ -395,7 +400,10 @@ def format_query(tokenizer, text_tokens: list[int], task: TaskHParams, pad_id: i
     if not tokens:
         return None
     padded = tokens + [pad_id] * (task.query_length - len(tokens))
-    return tokenizer.encode(task.query_prefix) + padded + tokenizer.encode(task.query_suffix)
+    prefix, suffix = (
+        tokenizer.encode(text, add_special_tokens=False) for text in (task.query_prefix, task.query_suffix)
+    )
+    return prefix + padded + suffix
 
 
 class QueryStream:
@@ -470,7 +478,13 @@ class RewardModel(nn.Module):
             fail(f"{flag} {directory!r}: not a reward model directory (no reward_head.safetensors)")
         info = json.loads(Path(directory, "reward_model.json").read_text())
         model = cls(load_pretrained(AutoModel, directory, flag), info["pad_id"])
-        model.load_state_dict(load_file(os.path.join(directory, "reward_head.safetensors")), strict=False)
+        missing, unexpected = model.load_state_dict(
+            load_file(os.path.join(directory, "reward_head.safetensors")), strict=False
+        )
+        if unexpected or any(not key.startswith("backbone.") for key in missing):
+            fail(
+                f"{flag} {directory!r}: reward_head.safetensors does not match (missing {missing}, unexpected {unexpected})"
+            )
         return model
 
 
@@ -589,6 +603,8 @@ def validate_args(args: Args) -> Args:
     args.local_eval_batch_size = derive_batch_size(
         args.eval_batch_size, args.world_size, "--eval-batch-size / number of processes"
     )
+    if args.labels.type != "best_of_4":
+        fail(f"--labels.type {args.labels.type!r}: only best_of_4 labels are supported")
     args.num_updates = args.labels.num_train // args.batch_size
     if args.num_updates < 1:
         fail(f"--labels.num-train {args.labels.num_train} is smaller than one --batch-size {args.batch_size}")
@@ -740,7 +756,7 @@ def main(args: Args) -> None:
         return
     tokenizer = load_tokenizer(args.base_model, "--base-model")
     pad_id = tokenizer.pad_token_id
-    truncate_token_ids = tokenizer.encode(args.task.truncate_token)
+    truncate_token_ids = tokenizer.encode(args.task.truncate_token, add_special_tokens=False)
     if len(truncate_token_ids) != 1:
         fail(f"--task.truncate-token {args.task.truncate_token!r} is {len(truncate_token_ids)} tokens, not 1")
     if args.labels.source == "file":
@@ -814,7 +830,7 @@ def main(args: Args) -> None:
     # 2. train
     reward_model.train()
     for update in track(range(args.num_updates), "training reward model", disable=not accelerator.is_main_process):
-        lr = args.lr * (1 - update / args.num_updates)  # detail: linear lr anneal per step, lr_k = lr (1 - k/N)
+        lr = linear_lr(args.lr, update, args.num_updates)  # per step, k = 0 .. N - 1
         for group in optimizer.param_groups:
             group["lr"] = lr
         global_ids = order[update * args.batch_size : (update + 1) * args.batch_size]

@@ -1,0 +1,397 @@
+"""Unit tests of train_policy_accelerate.py (SPEC §2, §3, §5, §7): post-processing, rewards, whitening, GAE, PPO
+losses, KL controllers, generation, log-probs and the value head.
+
+Tiny random models built here, no network, no subprocess. Every expected number is written out by hand (the
+derivation is in the comment next to it).
+"""
+
+import ast
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import REPO
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import train_policy_accelerate as P
+
+PAD = 50257  # GPT-2's [PAD]: one past the 50257-token vocabulary (SPEC §1)
+EOS = 50256
+DOT = 13  # '.'
+
+
+def tiny_gpt2_config(**kwargs) -> GPT2Config:
+    return GPT2Config(n_layer=2, n_head=4, n_embd=64, **kwargs)
+
+
+def dominated_lm(token_id: int) -> GPT2LMHeadModel:
+    """A tiny GPT-2 that emits `token_id` with probability ~1 at every position: the final layer norm outputs a
+    constant vector of ones and only the LM-head row of `token_id` is non-zero (logit 64 vs 0 for the rest)."""
+    torch.manual_seed(0)
+    lm = GPT2LMHeadModel(tiny_gpt2_config(tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        lm.transformer.ln_f.weight.zero_()
+        lm.transformer.ln_f.bias.fill_(1.0)
+        lm.lm_head.weight.zero_()
+        lm.lm_head.weight[token_id] = 1.0
+    return lm
+
+
+def one_line_error(failure: pytest.ExceptionInfo) -> str:
+    message = str(failure.value.code)
+    assert message.startswith("error: ") and "\n" not in message, message
+    return message
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. post-process responses (SPEC §5 step 3)
+
+
+def response_with_dots(*positions: int) -> list[int]:
+    row = [100 + i for i in range(24)]  # no '.' anywhere
+    for position in positions:
+        row[position] = DOT
+    return row
+
+
+def test_truncate_responses_spec_examples():
+    rows = [
+        response_with_dots(18),  # cut after 18
+        response_with_dots(10),  # only before truncate_after: kept whole, no cut
+        response_with_dots(20, 22),  # cut after the first one at >= 16
+        response_with_dots(),  # no '.'
+        response_with_dots(3, 16),  # exactly at truncate_after counts
+        response_with_dots(23),  # the last token: cut, nothing to pad
+    ]
+    postprocessed, has_cut = P.truncate_responses(torch.tensor(rows), DOT, 16, PAD)
+    expected = [
+        rows[0][:19] + [PAD] * 5,  # indices 19..23 padded
+        rows[1],
+        rows[2][:21] + [PAD] * 3,  # 21..23 padded, including the '.' at 22
+        rows[3],
+        rows[4][:17] + [PAD] * 7,
+        rows[5],
+    ]
+    assert postprocessed.tolist() == expected
+    assert has_cut.tolist() == [True, False, True, False, True, True]
+
+
+class ConstantReward(nn.Module):
+    """A stand-in reward model: 0.5 for every row; remembers what it was asked to score."""
+
+    pad_id = PAD
+
+    def forward(self, query_responses: torch.Tensor) -> torch.Tensor:
+        self.seen = query_responses
+        return torch.full((query_responses.shape[0],), 0.5)
+
+
+def test_score_responses_scores_postprocessed_text_and_penalizes_uncut():
+    args = P.Args()
+    args.task = P.TaskHParams(response_length=24, truncate_after=16, penalty_reward_value=-1.0)
+    responses = torch.tensor([response_with_dots(18), response_with_dots(10)])
+    queries = torch.tensor([[PAD, 15496, 995], [15496, 995, 11]])
+    reward_model = ConstantReward()
+    postprocessed, scores = P.score_responses(reward_model, queries, responses, DOT, args)
+    assert scores.tolist() == [0.5, -1.0]
+    assert torch.equal(reward_model.seen, torch.cat([queries, postprocessed], 1))
+    assert postprocessed[0, 19:].tolist() == [PAD] * 5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. per-token rewards (SPEC §5 step 4)
+
+
+def test_compute_rewards_kl_penalty_everywhere_score_on_the_last_token():
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.2, -0.1]])
+    ref_logprobs = torch.tensor([[-1.5, -1.0, -0.5], [-0.1, -0.2, -0.6]])
+    kl, non_score_reward, rewards = P.compute_rewards(torch.tensor([2.0, -1.0]), logprobs, ref_logprobs, 0.1)
+    # kl = [[0.5, -1, 0], [-0.2, 0, 0.5]]; non_score = -0.1 kl; the score added at index T-1 only
+    torch.testing.assert_close(kl, torch.tensor([[0.5, -1.0, 0.0], [-0.2, 0.0, 0.5]]))
+    torch.testing.assert_close(non_score_reward, torch.tensor([[-0.05, 0.1, 0.0], [0.02, 0.0, -0.05]]))
+    torch.testing.assert_close(rewards, torch.tensor([[-0.05, 0.1, 2.0], [0.02, 0.0, -1.05]]))
+
+
+def test_compute_rewards_score_at_t_minus_1_even_when_truncated_earlier():
+    responses = torch.tensor([response_with_dots(18)])
+    postprocessed, has_cut = P.truncate_responses(responses, DOT, 16, PAD)
+    assert has_cut.item() and postprocessed[0, 19].item() == PAD  # the response ends at index 18
+    zeros = torch.zeros(1, 24)
+    _, _, rewards = P.compute_rewards(torch.tensor([1.5]), zeros, zeros, 0.15)
+    assert rewards[0, 23].item() == 1.5
+    assert rewards[0, :23].abs().sum().item() == 0.0  # not at 18, the last real token
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. whitening and 5. GAE (SPEC §5 steps 5–6)
+
+SPEC_X = [[1.2, 1.3, 1.4], [1.5, 1.6, 1.7], [1.8, 1.9, 2.0]]
+SPEC_WHITENED_NO_SHIFT = [[0.0508, 0.4381, 0.8254], [1.2127, 1.6000, 1.9873], [2.3746, 2.7619, 3.1492]]
+
+
+def test_whiten_spec_vector():
+    x = torch.tensor(SPEC_X)
+    torch.testing.assert_close(P.whiten(x, shift_mean=False), torch.tensor(SPEC_WHITENED_NO_SHIFT), atol=1e-4, rtol=0)
+    # shift_mean=True: the same minus the mean 1.6; biased variance (an unbiased one would give 0.9428 here)
+    whitened = P.whiten(x)
+    torch.testing.assert_close(whitened, torch.tensor(SPEC_WHITENED_NO_SHIFT) - 1.6, atol=1e-4, rtol=0)
+    assert whitened.mean().item() == pytest.approx(0.0, abs=1e-6)
+    assert whitened.var(unbiased=False).item() == pytest.approx(1.0, abs=1e-5)
+
+
+def test_gae_spec_vector_without_reward_whitening():
+    ppo = P.PpoHParams(gamma=1.0, lam=0.95, whiten_rewards=False)
+    rewards, values = torch.tensor([[0.1, -0.2, 1.0]]), torch.tensor([[0.5, 0.4, 0.3]])
+    advantages, returns = P.compute_advantages(rewards, values, ppo)
+    # δ = [0.1 + 0.4 - 0.5, -0.2 + 0.3 - 0.4, 1.0 - 0.3] = [0, -0.3, 0.7]; A_2 = 0.7, A_1 = -0.3 + 0.95 * 0.7 = 0.365,
+    # A_0 = 0 + 0.95 * 0.365 = 0.34675; returns = A + V
+    torch.testing.assert_close(returns, torch.tensor([[0.84675, 0.765, 1.0]]), atol=1e-6, rtol=0)
+    # whiten([0.34675, 0.365, 0.7]): mean 0.470583, biased std 0.162394
+    torch.testing.assert_close(advantages, torch.tensor([[-0.762553, -0.650171, 1.412724]]), atol=1e-5, rtol=0)
+
+
+def test_gae_with_reward_whitening_uses_the_spec_whitened_rewards():
+    ppo = P.PpoHParams(gamma=1.0, lam=0.95, whiten_rewards=True)
+    _, returns = P.compute_advantages(torch.tensor(SPEC_X), torch.zeros(3, 3), ppo)
+    # V = 0: returns = λ-discounted sums of the whitened rewards (shift_mean=False), e.g. row 0:
+    # 0.8254; 0.4381 + 0.95 * 0.8254 = 1.22223; 0.0508 + 0.95 * 1.22223 = 1.21192
+    w = SPEC_WHITENED_NO_SHIFT
+    expected = [[r[0] + 0.95 * (r[1] + 0.95 * r[2]), r[1] + 0.95 * r[2], r[2]] for r in w]
+    assert expected[0] == pytest.approx([1.21192, 1.22223, 0.8254], abs=1e-5)
+    torch.testing.assert_close(returns, torch.tensor(expected), atol=2e-4, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6. PPO losses (SPEC §5 step 7)
+
+
+def ppo_example():
+    ppo = P.PpoHParams(cliprange=0.2, cliprange_value=0.2, vf_coef=0.1)
+    ratio = torch.tensor([[1.5, 0.9], [0.5, 1.5]])
+    logprobs = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]])
+    new_logprobs = (logprobs + ratio.log()).requires_grad_()
+    advantages = torch.tensor([[1.0, -2.0], [-1.0, -1.0]])
+    values = torch.zeros(2, 2)
+    vpred = torch.tensor([[0.5, 0.1], [-0.5, 0.3]], requires_grad=True)
+    returns = torch.tensor([[1.0, 0.0], [0.0, 0.3]])
+    loss, stats = P.ppo_losses(new_logprobs, vpred, logprobs, values, advantages, returns, ppo)
+    return loss, stats, new_logprobs, vpred
+
+
+def test_ppo_losses_by_hand_with_and_without_clipping():
+    loss, stats, new_logprobs, vpred = ppo_example()
+    # policy, -A r vs -A clip(r, 0.8, 1.2), the max:
+    #   r 1.5, A  1: -1.5 vs -1.2 -> -1.2 (clipped)    r 0.9, A -2: 1.8 vs 1.8 -> 1.8 (inside the range)
+    #   r 0.5, A -1:  0.5 vs  0.8 ->  0.8 (clipped)    r 1.5, A -1: 1.5 vs 1.2 -> 1.5 (outside, unclipped wins)
+    #   mean = (-1.2 + 1.8 + 0.8 + 1.5) / 4 = 0.725
+    # value (V_old = 0, vpred clipped to ±0.2), max of squared errors:
+    #   0.5 -> 0.2, R 1: 0.25 vs 0.64 -> 0.64     0.1 -> 0.1, R 0: 0.01 vs 0.01 -> 0.01
+    #   -0.5 -> -0.2, R 0: 0.25 vs 0.04 -> 0.25   0.3 -> 0.2, R 0.3: 0 vs 0.01 -> 0.01
+    #   vf_loss = 0.5 * 0.91 / 4 = 0.11375; loss = 0.725 + 0.1 * 0.11375 = 0.736375
+    assert stats["ppo/loss/policy"].item() == pytest.approx(0.725, abs=1e-6)
+    assert stats["ppo/loss/value"].item() == pytest.approx(0.11375, abs=1e-6)
+    assert loss.item() == pytest.approx(0.736375, abs=1e-6)
+    assert stats["ppo/loss/total"].item() == pytest.approx(0.736375, abs=1e-6)
+    # approxkl = 0.5 mean(log r ^ 2) = 0.5 (0.164402 + 0.011101 + 0.480453 + 0.164402) / 4
+    assert stats["ppo/policy/approxkl"].item() == pytest.approx(0.102545, abs=1e-6)
+    assert stats["ppo/val/vpred"].item() == pytest.approx(0.1, abs=1e-6)
+    assert stats["ppo/val/error"].item() == pytest.approx(0.1275, abs=1e-6)  # mean(0.25, 0.01, 0.25, 0)
+    assert stats["ppo/returns/mean"].item() == pytest.approx(0.325, abs=1e-6)
+    assert stats["ppo/returns/var"].item() == pytest.approx(0.166875, abs=1e-6)  # biased: 1.09 / 4 - 0.325²
+    # gradients flow only through the unclipped terms: d/dlogp (-A r) / 4 = -A r / 4
+    loss.backward()
+    torch.testing.assert_close(new_logprobs.grad, torch.tensor([[0.0, 0.45], [0.0, 0.375]]))
+    # d loss / d vpred = 0.1 * 0.5 * 2 (vpred - R) / 4 = 0.025 (vpred - R) where the unclipped term wins (or the
+    # clip is inactive), 0 where the saturated clipped term wins
+    torch.testing.assert_close(vpred.grad, torch.tensor([[0.0, 0.0025], [-0.0125, 0.0]]))
+
+
+def test_ppo_clipfrac_counts_tokens_where_the_clipped_term_wins_like_oai():
+    """OAI train_policy.py: pg_clipfrac = mean(pg_losses2 > pg_losses), vf_clipfrac = mean(vf_losses2 > vf_losses1).
+    In the example above the clipped policy term wins at 2 of 4 tokens (r 1.5 with A 1, r 0.5 with A -1); r 1.5
+    with A -1 is outside the range but the unclipped term wins. Same for the value: 2 of 4 (R 1 and R 0.3)."""
+    _, stats, _, _ = ppo_example()
+    clipfracs = stats["ppo/policy/clipfrac"].item(), stats["ppo/val/clipfrac"].item()
+    assert clipfracs == (0.5, 0.5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# KL controllers (SPEC §5 step 8)
+
+
+@pytest.mark.parametrize("kl, expected", [(3.0, 0.148464), (6.6, 0.150768), (12.0, 0.151536), (6.0, 0.15)])
+def test_adaptive_kl_controller_spec_examples(kl, expected):
+    # e = clip(KL/6 - 1, ±0.2) = -0.2, 0.1, 0.2, 0; 0.15 * (1 + e * 512 / 10000)
+    controller = P.AdaptiveKLController(0.15, target=6.0, horizon=10000)
+    controller.update(kl, 512)
+    assert controller.value == pytest.approx(expected, abs=1e-9)
+
+
+def test_fixed_kl_controller_stays_fixed():
+    controller = P.FixedKLController(0.03)
+    for kl in (0.0, 3.0, 100.0):
+        controller.update(kl, 512)
+    assert controller.value == 0.03
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# learning-rate schedule (SPEC §5: lr_u = lr (1 - (u-1)/N), u = 1..N)
+
+
+def test_policy_lr_schedule_first_and_last_update():
+    assert P.linear_lr(1e-5, 1 - 1, 1954) == 1e-5
+    assert P.linear_lr(1e-5, 1954 - 1, 1954) == pytest.approx(1e-5 / 1954, rel=1e-12)
+    assert P.linear_lr(2e-6, 500, 1000) == pytest.approx(1e-6, rel=1e-12)
+
+
+def test_main_uses_linear_lr_for_the_schedule():
+    tree = ast.parse((REPO / "train_policy_accelerate.py").read_text())
+    main = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "main")
+    calls = [n for n in ast.walk(main) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "linear_lr"]
+    assert len(calls) == 1 and ast.unparse(calls[0].args[1]) == "update - 1"  # the loop runs u = 1..N
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# derived batch sizes (SPEC §7)
+
+
+def policy_args(**ppo) -> P.Args:
+    return P.Args(rewards=P.RewardHParams(trained_model="reward_model"), ppo=P.PpoHParams(**ppo))
+
+
+def test_validate_args_derives_per_process_sizes(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    args = P.validate_args(policy_args(nminibatches=2, gradient_accumulation_steps=4))
+    assert (args.local_batch_size, args.local_mini_batch_size, args.micro_batch_size) == (64, 32, 8)
+    assert args.num_updates == 1954  # ceil(1,000,000 / 512)
+
+
+@pytest.mark.parametrize(
+    "world_size, ppo, flag",
+    [
+        ("2", dict(batch_size=15), "--ppo.batch-size"),
+        ("2", dict(nminibatches=3), "--ppo.nminibatches"),
+        ("2", dict(gradient_accumulation_steps=3), "--ppo.gradient-accumulation-steps"),
+        ("2", dict(batch_size=32, nminibatches=4), "--ppo.whiten-rewards"),  # 4 rows per process-minibatch
+        ("8", dict(batch_size=32), "--ppo.whiten-rewards"),
+    ],
+)
+def test_validate_args_rejects_inconsistent_sizes_naming_the_flag(monkeypatch, world_size, ppo, flag):
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    with pytest.raises(SystemExit) as failure:
+        P.validate_args(policy_args(**ppo))
+    assert flag in one_line_error(failure)
+
+
+def test_validate_args_small_minibatches_are_fine_without_whitening(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = P.validate_args(policy_args(batch_size=32, nminibatches=4, whiten_rewards=False))
+    assert args.local_mini_batch_size == 4
+
+
+def test_validate_args_truncate_after_must_be_inside_the_response(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = policy_args()
+    args.task = P.TaskHParams(response_length=24, truncate_after=24)
+    with pytest.raises(SystemExit) as failure:
+        P.validate_args(args)
+    assert "--task.truncate-after" in one_line_error(failure)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# generation (SPEC §2)
+
+
+def test_generation_returns_exactly_t_tokens_even_when_eos_dominates():
+    lm = dominated_lm(EOS)
+    P.disable_eos_stopping(lm)
+    assert lm.generation_config.eos_token_id is None and lm.generation_config.pad_token_id is None
+    queries = torch.tensor([[PAD, PAD, 15496, 995], [15496, 995, 11, 339]])  # left-padded, pad id out of vocab
+    responses = P.generate_responses(lm, queries, PAD, 6, 0.7)
+    assert responses.shape == (2, 6)
+    assert responses.eq(EOS).all()  # the policy is free to emit EOS, and sampling goes on after it
+
+
+def test_generation_without_disable_eos_stopping_is_not_free_to_emit_eos():
+    """Guard that the test above can fail: with the backbone's eos id left in place, HF either stops at the first
+    EOS (no min_new_tokens) or, with min_new_tokens = T, suppresses EOS so the samples follow another distribution."""
+    from transformers import GenerationConfig
+
+    lm = dominated_lm(EOS)
+    queries = torch.tensor([[15496, 995, 11, 339]])
+    responses = P.generate_responses(lm, queries, PAD, 6, 0.7)
+    assert responses.shape == (1, 6) and not responses.eq(EOS).any()
+    stopped = lm.generate(
+        input_ids=queries,
+        attention_mask=torch.ones_like(queries),
+        generation_config=GenerationConfig(max_new_tokens=6, do_sample=True, top_k=0, temperature=0.7),
+    )
+    assert stopped.shape[1] - queries.shape[1] < 6
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# log-probs, values (SPEC §3)
+
+
+def make_lm(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        return GPT2LMHeadModel(tiny_gpt2_config()).eval()
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_logits_are_full_model_logits_of_the_response_positions_over_temperature(kind):
+    lm = make_lm(kind)
+    pad_id = lm.config.vocab_size  # one past the vocabulary, like GPT-2's [PAD]
+    generator = torch.Generator().manual_seed(0)
+    context_length, temperature = 5, 0.7
+    query_responses = torch.randint(0, 1000, (3, context_length + 4), generator=generator)
+    query_responses[1, :2] = pad_id  # left-padded queries
+    query_responses[2, :4] = pad_id
+    mask = query_responses != pad_id
+    with torch.no_grad():
+        full = lm(
+            input_ids=torch.where(mask, query_responses, 0),
+            attention_mask=mask,
+            position_ids=mask.cumsum(1) - mask.long(),
+        ).logits  # (3, C + T, V)
+        expected = full[:, context_length - 1 : -1] / temperature  # (3, T, V)
+        logits = P.lm_logits(lm, query_responses, context_length, pad_id, temperature)
+        policy = P.PolicyAndValueWrapper(lm)
+        policy_logits, values = policy(query_responses, context_length, pad_id, temperature)
+        unpadded = lm(query_responses[:1]).logits[:, context_length - 1 : -1] / temperature  # no pad: plain forward
+    assert logits.shape == (3, 4, lm.config.vocab_size)
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(policy_logits, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[:1], unpadded, atol=1e-5, rtol=1e-5)
+    assert torch.equal(values, torch.zeros(3, 4))
+
+
+def test_value_head_starts_at_exactly_zero():
+    policy = P.PolicyAndValueWrapper(make_lm("gpt2"))
+    assert policy.value_head.weight.abs().sum().item() == 0.0 and policy.value_head.bias.item() == 0.0
+    query_responses = torch.tensor([[PAD, 15496, 995, 11, 339, 561]])
+    with torch.no_grad():
+        _, values = policy(query_responses, 3, PAD, 0.7)
+    assert values.tolist() == [[0.0, 0.0, 0.0]]
+    assert policy.value_head.weight.requires_grad  # trained with the trunk (one optimizer)
+
+
+def test_logprobs_and_entropy_by_hand():
+    logits = torch.tensor([[[0.0, math.log(3.0)], [0.0, 0.0]]])  # p = [1/4, 3/4] then [1/2, 1/2]
+    logprobs = P.logprobs_from_logits(logits, torch.tensor([[1, 0]]))
+    torch.testing.assert_close(logprobs, torch.tensor([[math.log(0.75), math.log(0.5)]]))  # -0.287682, -0.693147
+    entropy = P.entropy_from_logits(logits)
+    # -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.562335; ln 2 = 0.693147
+    torch.testing.assert_close(entropy, torch.tensor([[0.562335, 0.693147]]), atol=1e-6, rtol=0)
