@@ -675,25 +675,34 @@ class PolicyAndValueWrapper(nn.Module):
     def forward(self, query_responses: torch.Tensor, context_length: int, pad_id: int, temperature: float):
         """Logits / temperature and values at the T positions that predict the response: ((B, T, V), (B, T))."""
         hidden = padded_forward(self.lm.base_model, query_responses, pad_id)[:, context_length - 1 : -1]  # (B, T, d)
-        return self.lm.get_output_embeddings()(hidden) / temperature, self.value_head(hidden).squeeze(-1)
+        return response_logits(self.lm, hidden, temperature), self.value_head(hidden).squeeze(-1)
+
+
+def response_logits(lm: nn.Module, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The LM head applied to hidden / temperature: equals logits / temperature, but divides a (B, T, d) tensor
+    instead of a (B, T, V) one."""
+    head = lm.get_output_embeddings()
+    bias = None if head.bias is None else head.bias / temperature
+    return F.linear(hidden / temperature, head.weight, bias)
 
 
 def lm_logits(lm: nn.Module, query_responses: torch.Tensor, context_length: int, pad_id: int, temperature: float):
     """detail: LM head only where needed — vocabulary logits of the response positions only, divided by the sampling
     temperature (detail: without it the KL grows too fast): (B, T, V)."""
     hidden = padded_forward(lm.base_model, query_responses, pad_id)[:, context_length - 1 : -1]  # (B, T, d)
-    return lm.get_output_embeddings()(hidden) / temperature
+    return response_logits(lm, hidden, temperature)
 
 
-def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log p(token) under the logits: (B, T)."""
-    return torch.gather(F.log_softmax(logits.float(), dim=-1), 2, tokens.unsqueeze(-1)).squeeze(-1)
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the full distribution at each position: (B, T)."""
-    probabilities = F.softmax(logits.float(), dim=-1)
-    return torch.logsumexp(logits.float(), dim=-1) - (probabilities * logits.float()).sum(-1)
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool = False):
+    """log p(token) under the logits, (B, T); with_entropy: also the entropy of the full distribution, (B, T),
+    from the same log-softmax (one pass fewer over the (B, T, V) tensor than recomputing it)."""
+    all_logprobs = F.log_softmax(logits.float(), dim=-1)  # (B, T, V)
+    logprobs = torch.gather(all_logprobs, 2, tokens.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logprobs
+    with torch.no_grad():
+        entropy = -(all_logprobs.exp() * all_logprobs).sum(-1)
+    return logprobs, entropy
 
 
 def score_responses(reward_model, queries, responses, truncate_token_id, args: Args):
@@ -928,14 +937,14 @@ def main(args: Args) -> None:
                     ids = mini_ids[micro]
                     with accelerator.accumulate(policy):
                         logits, vpred = policy(query_responses[ids], context_length, pad_id, args.task.temperature)
-                        new_logprobs = logprobs_from_logits(logits, responses[ids])
+                        new_logprobs, entropy = logprobs_from_logits(logits, responses[ids], with_entropy=True)
                         loss, stats = ppo_losses(
                             new_logprobs, vpred, logprobs[ids], values[ids], advantages[micro], returns[micro], ppo
                         )
                         accelerator.backward(loss)
                         optimizer.step()
                         optimizer.zero_grad()
-                    stats["ppo/policy/entropy"] = entropy_from_logits(logits.detach()).mean()
+                    stats["ppo/policy/entropy"] = entropy.mean()
                     ppo_stats.append(torch.stack(list(stats.values())))
         ppo_time = time.time() - ppo_start
         # 7. log: every metric averaged over all micro-batches and processes, in one reduction

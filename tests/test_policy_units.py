@@ -392,6 +392,7 @@ def test_logprobs_and_entropy_by_hand():
     logits = torch.tensor([[[0.0, math.log(3.0)], [0.0, 0.0]]])  # p = [1/4, 3/4] then [1/2, 1/2]
     logprobs = P.logprobs_from_logits(logits, torch.tensor([[1, 0]]))
     torch.testing.assert_close(logprobs, torch.tensor([[math.log(0.75), math.log(0.5)]]))  # -0.287682, -0.693147
-    entropy = P.entropy_from_logits(logits)
+    same_logprobs, entropy = P.logprobs_from_logits(logits, torch.tensor([[1, 0]]), with_entropy=True)
+    torch.testing.assert_close(same_logprobs, logprobs)
     # -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.562335; ln 2 = 0.693147
     torch.testing.assert_close(entropy, torch.tensor([[0.562335, 0.693147]]), atol=1e-6, rtol=0)
