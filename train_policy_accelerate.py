@@ -572,6 +572,16 @@ def save_directory_atomic(path: Path, write) -> None:
         os.replace(temporary, path)
 
 
+def parameter_spread(accelerator: Accelerator, model: nn.Module) -> float:
+    """max - min over processes of a float64 checksum of all parameters: 0 when every process holds the same model
+    (DDP averages gradients, so any other value means the processes drifted apart)."""
+    checksum = sum(
+        param.detach().double().sum() + param.detach().double().square().sum() for param in model.parameters()
+    )
+    checksums = accelerator.gather(checksum.reshape(1))
+    return (checksums.max() - checksums.min()).item()
+
+
 class RunLogger:
     """metrics.jsonl (one JSON object per logged step, flushed), wandb behind --track, rich console (rank 0 only)."""
 
@@ -959,8 +969,10 @@ def main(args: Args) -> None:
             "ppo/val/var": values.var(unbiased=False),
         }
         local = torch.cat([torch.stack(list(rollout_stats.values())), torch.stack(ppo_stats).mean(0)])
-        reduced = accelerator.reduce(local, "mean").tolist()
-        row = dict(zip([*rollout_stats, *stats], reduced, strict=True))
+        local = torch.cat([local, torch.tensor([kl_coef], device=device)])
+        gathered = accelerator.gather(local[None])  # (processes, metrics): one collective for every metric
+        row = dict(zip([*rollout_stats, *stats], gathered[:, :-1].mean(0).tolist(), strict=True))
+        row["sync/kl_coef_spread"] = (gathered[:, -1].max() - gathered[:, -1].min()).item()  # 0: all in step
         # detail: adaptive KL from the KL averaged over all processes (the blog's code used one process's KL)
         kl_ctl.update(row["objective/kl"], ppo.batch_size)
         elapsed = time.time() - start_time
@@ -1005,6 +1017,9 @@ def main(args: Args) -> None:
             f"gold score {initial_eval['eval/gold_score']:.4f} -> {final['eval/gold_score']:.4f}, "
             f"rm score {initial_eval['eval/rm_score']:.4f} -> {final['eval/rm_score']:.4f}, kl {final['eval/kl']:.3f}"
         )
+    logger.log(
+        {"update": args.num_updates, "sync/param_spread": parameter_spread(accelerator, policy)}, args.num_updates
+    )
     # 8. save
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:

@@ -547,6 +547,16 @@ def save_directory_atomic(path: Path, write) -> None:
         os.replace(temporary, path)
 
 
+def parameter_spread(accelerator: Accelerator, model: nn.Module) -> float:
+    """max - min over processes of a float64 checksum of all parameters: 0 when every process holds the same model
+    (DDP averages gradients, so any other value means the processes drifted apart)."""
+    checksum = sum(
+        param.detach().double().sum() + param.detach().double().square().sum() for param in model.parameters()
+    )
+    checksums = accelerator.gather(checksum.reshape(1))
+    return (checksums.max() - checksums.min()).item()
+
+
 class RunLogger:
     """metrics.jsonl (one JSON object per logged step, flushed), wandb behind --track, rich console (rank 0 only)."""
 
@@ -865,6 +875,9 @@ def main(args: Args) -> None:
     if args.normalize_after:
         stats = normalize_reward(accelerator, ref_lm, reward_model, query_stream, args, "after")
         logger.log({"step": args.num_updates, **stats}, args.num_updates)
+    logger.log(
+        {"step": args.num_updates, "sync/param_spread": parameter_spread(accelerator, reward_model)}, args.num_updates
+    )
     # 5. save
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:

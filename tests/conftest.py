@@ -109,7 +109,7 @@ def tiny_assets(gpt2_tokenizer_dir, tmp_path_factory) -> dict[str, Path]:
     return dict(
         model=write_tiny_gpt2(root / "tiny-gpt2", gpt2_tokenizer_dir, corpus, steps=150),
         corpus=root / "corpus.txt",
-        labels=write_synthetic_labels(root / "labels.json", gpt2_tokenizer_dir, 700),
+        labels=write_synthetic_labels(root / "labels.json", gpt2_tokenizer_dir, 2200),
     )
 
 

@@ -1,0 +1,119 @@
+"""End-to-end runs of both scripts, as a user runs them (subprocess), on a tiny GPT-2 with the real GPT-2 tokenizer,
+fully offline. The reward model learned here is reused by the policy tests."""
+
+import json
+
+import pytest
+import torch
+from conftest import read_jsonl, run_script
+from safetensors.torch import load_file
+
+from train_reward_accelerate import RewardModel
+
+REWARD = "train_reward_accelerate.py"
+POLICY = "train_policy_accelerate.py"
+
+
+def reward_flags(assets, output_dir, *extra):
+    return ["--base-model", str(assets["model"]), "--label-dataset", str(assets["labels"]),
+            "--task.query-dataset", str(assets["corpus"]), "--output-dir", str(output_dir),
+            "--rollout-batch-size", "32", "--normalize-samples", "32", "--batch-size", "16", *extra]  # fmt: skip
+
+
+def policy_flags(assets, reward_model, output_dir, *extra):
+    return ["--base-model", str(assets["model"]), "--rewards.trained-model", str(reward_model),
+            "--task.query-dataset", str(assets["corpus"]), "--output-dir", str(output_dir),
+            "--ppo.batch-size", "32", "--ppo.lr", "1e-3", "--print-sample-output-freq", "5", *extra]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def reward_run(tiny_assets, tmp_path_factory):
+    """(a) learnable synthetic labels: the sample with the most " good" tokens wins."""
+    output_dir = tmp_path_factory.mktemp("reward") / "run"
+    flags = reward_flags(tiny_assets, output_dir, "--labels.num-train", "2000", "--lr", "3e-3",
+                         "--print-sample-output-freq", "50")  # fmt: skip
+    result = run_script(REWARD, *flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return output_dir
+
+
+def test_reward_model_learns_the_synthetic_preference(reward_run):
+    rows = read_jsonl(reward_run / "metrics.jsonl")
+    steps = [row for row in rows if "train/loss" in row]
+    assert [row["step"] for row in steps] == list(range(1, 126))  # 2000 labels / batch 16
+    assert steps[0]["train/lr"] == pytest.approx(3e-3) and steps[-1]["train/lr"] == pytest.approx(3e-3 / 125)
+    final = [row for row in rows if "test/accuracy" in row][-1]
+    assert final["test/accuracy"] >= 0.6, final  # chance is 0.25
+    assert final["test/loss"] < 1.0  # chance is ln 4 = 1.386
+    before = next(row for row in rows if "normalization/before/mean" in row)
+    after = next(row for row in rows if "normalization/after/mean" in row)
+    for row, phase in ((before, "before"), (after, "after")):
+        assert row[f"normalization/{phase}/std"] > 0
+        assert abs(row[f"normalization/{phase}/normalized_mean"]) < 1.0  # a fresh sample of 32, so only roughly 0
+    args = json.loads((reward_run / "args.json").read_text())
+    assert args["local_batch_size"] == 16 and args["num_updates"] == 125
+
+
+def test_saved_reward_model_reloads_and_scores_identically(reward_run):
+    model = RewardModel.from_saved(str(reward_run / "reward_model"), "--rewards.trained-model").eval()
+    head = load_file(reward_run / "reward_model" / "reward_head.safetensors")
+    assert torch.equal(model.reward_gain.detach(), head["reward_gain"])
+    assert head["reward_gain"].item() != 1.0  # normalization after training changed the gain
+    tokens = torch.randint(0, 50257, (3, 88))
+    again = RewardModel.from_saved(str(reward_run / "reward_model"), "--rewards.trained-model").eval()
+    with torch.no_grad():
+        assert torch.equal(model(tokens), again(tokens))
+    assert not list(reward_run.glob(".reward_model.*"))  # no temporary directories left behind
+
+
+def small_reward_flags(assets, output_dir, *extra):
+    return reward_flags(assets, output_dir, "--labels.num-train", "32", "--print-sample-output-freq", "2", *extra)
+
+
+def test_simulated_sentiment_labels_make_a_valid_label_file_and_train(tiny_assets, tmp_path):
+    """(b) no human labels: the simulated labeler writes OAI-schema labels, then the script trains on them."""
+    flags = small_reward_flags(tiny_assets, tmp_path / "run", "--labels.source", "sentiment",
+                               "--labels.simulated-num-test", "16")  # fmt: skip
+    result = run_script(REWARD, *flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = json.loads((tmp_path / "run" / "labels.json").read_text())
+    assert len(records) == 48
+    for record in records:
+        assert len(record["query"]) == 64 and record["best"] in range(4)
+        assert all(len(record[f"sample{i}"]) == 24 for i in range(4))
+        assert all(t < 50257 or t == 50259 for i in range(4) for t in record[f"sample{i}"])  # OAI's pad id
+    # the noisy labeler prefers positive samples: the chosen sample's VADER score beats the average one
+    chosen = sum(r["scores"][r["best"]] for r in records) / len(records)
+    average = sum(sum(r["scores"]) / 4 for r in records) / len(records)
+    assert chosen > average
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert any("test/accuracy" in row for row in rows) and (tmp_path / "run" / "reward_model").is_dir()
+    # the file it wrote is reusable as --label-dataset
+    result = run_script(REWARD, *small_reward_flags(tiny_assets, tmp_path / "again", "--dry-run"))
+    assert result.returncode == 0
+
+
+def test_same_seed_twice_gives_identical_metrics(tiny_assets, tmp_path):
+    """(d) reproducibility on one process."""
+    for name in ("first", "second"):
+        result = run_script(REWARD, *small_reward_flags(tiny_assets, tmp_path / name, "--seed", "3"))
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    def metrics(name):
+        return [{k: v for k, v in row.items() if not k.startswith("elapsed")} for row in read_jsonl(tmp_path / name / "metrics.jsonl")]  # fmt: skip
+
+    assert metrics("first") == metrics("second")
+    first, second = (load_file(tmp_path / name / "reward_model" / "model.safetensors") for name in ("first", "second"))
+    assert all(torch.equal(first[key], second[key]) for key in first)
+
+
+def test_two_processes_end_with_identical_parameters(tiny_assets, tmp_path):
+    """(c) torchrun with 2 CPU processes (gloo): global batch 16 = 8 per process; the script logs the spread of a
+    parameter checksum over the processes at the end, which must be exactly 0 (DDP averaged the gradients)."""
+    result = run_script(REWARD, *small_reward_flags(tiny_assets, tmp_path / "run"), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    args = json.loads((tmp_path / "run" / "args.json").read_text())
+    assert args["world_size"] == 2 and args["local_batch_size"] == 8
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [row["sync/param_spread"] for row in rows if "sync/param_spread" in row] == [0.0]
+    assert rows[-1]["step"] == 2 and (tmp_path / "run" / "reward_model").is_dir()
