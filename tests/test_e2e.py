@@ -2,11 +2,13 @@
 fully offline. The reward model learned here is reused by the policy tests."""
 
 import json
+import math
 
 import pytest
 import torch
 from conftest import read_jsonl, run_script
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from train_reward_accelerate import RewardModel
 
@@ -117,3 +119,69 @@ def test_two_processes_end_with_identical_parameters(tiny_assets, tmp_path):
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [row["sync/param_spread"] for row in rows if "sync/param_spread" in row] == [0.0]
     assert rows[-1]["step"] == 2 and (tmp_path / "run" / "reward_model").is_dir()
+
+
+@pytest.fixture(scope="session")
+def policy_run(tiny_assets, reward_run, tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("policy") / "run"
+    flags = policy_flags(tiny_assets, reward_run / "reward_model", output_dir, "--ppo.total-episodes", "640")
+    result = run_script(POLICY, *flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return output_dir
+
+
+def test_ppo_raises_the_reward_model_score(policy_run):
+    rows = [row for row in read_jsonl(policy_run / "metrics.jsonl") if "objective/scores" in row]
+    assert [row["update"] for row in rows] == list(range(1, 21))
+    fifth = len(rows) // 5
+    first = sum(row["objective/scores"] for row in rows[:fifth]) / fifth
+    last = sum(row["objective/scores"] for row in rows[-fifth:]) / fifth
+    assert last > first + 0.5, (first, last)  # measured: about -0.1 -> 0.8
+    assert rows[0]["objective/kl"] == 0.0  # the policy starts as the reference policy
+    assert all(math.isfinite(row["objective/kl"]) for row in rows)
+    assert rows[0]["ppo/lr"] == pytest.approx(1e-3) and rows[-1]["ppo/lr"] == pytest.approx(1e-3 / 20)
+    assert rows[0]["objective/kl_coef"] == 0.15 and rows[1]["objective/kl_coef"] != 0.15  # adaptive
+    for key in ("objective/entropy", "objective/non_score_reward", "objective/score_total", "ppo/loss/total",
+                "ppo/policy/approxkl", "ppo/policy/clipfrac", "ppo/val/var_explained", "elapsed/fps"):  # fmt: skip
+        assert all(math.isfinite(row[key]) for row in rows), key
+    samples = read_jsonl(policy_run / "samples.jsonl")
+    assert {sample["update"] for sample in samples} == {1, 5, 10, 15, 20}
+    assert set(samples[0]) == {"update", "query", "response", "score", "kl", "total_reward"}
+
+
+def test_saved_policy_reloads_with_transformers(policy_run):
+    lm = AutoModelForCausalLM.from_pretrained(policy_run / "policy")
+    tokenizer = AutoTokenizer.from_pretrained(policy_run / "policy")
+    ids = tokenizer("The cat sat", return_tensors="pt")["input_ids"]
+    assert lm.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, ids.shape[1] + 4)
+    assert tokenizer.pad_token == "[PAD]" and tokenizer.pad_token_id != tokenizer.eos_token_id
+
+
+def short_policy_flags(assets, reward_run, output_dir, *extra):
+    return policy_flags(assets, reward_run / "reward_model", output_dir, "--ppo.total-episodes", "64",
+                        "--ppo.batch-size", "16", *extra)  # fmt: skip
+
+
+def test_policy_same_seed_twice_is_identical(tiny_assets, reward_run, tmp_path):
+    for name in ("first", "second"):
+        result = run_script(POLICY, *short_policy_flags(tiny_assets, reward_run, tmp_path / name))
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    def metrics(name):
+        rows = read_jsonl(tmp_path / name / "metrics.jsonl")
+        return [{k: v for k, v in row.items() if not k.startswith(("elapsed", "time"))} for row in rows]
+
+    assert metrics("first") == metrics("second")
+
+
+def test_policy_two_processes_keep_kl_coef_in_step(tiny_assets, reward_run, tmp_path):
+    """torchrun with 2 CPU processes: the adaptive KL controller is fed the KL averaged over both processes, so
+    kl_coef is identical on both at every update (the logged spread over processes is exactly 0)."""
+    result = run_script(POLICY, *short_policy_flags(tiny_assets, reward_run, tmp_path / "run"), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    updates = [row for row in rows if "objective/kl_coef" in row]
+    assert len(updates) == 4 and all(row["sync/kl_coef_spread"] == 0.0 for row in updates)
+    assert updates[-1]["objective/kl_coef"] != 0.15
+    assert [row["sync/param_spread"] for row in rows if "sync/param_spread" in row] == [0.0]
+    assert json.loads((tmp_path / "run" / "args.json").read_text())["local_batch_size"] == 8
