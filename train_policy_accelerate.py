@@ -779,28 +779,59 @@ def ppo_losses(new_logprobs, vpred, logprobs, values, advantages, returns, ppo: 
 
 
 @torch.no_grad()
-def rollout(policy, ref_lm, reward_model, queries, truncate_token_id, args: Args):
-    """Sample responses and compute everything PPO needs, in chunks of --local-rollout-forward-batch-size rows."""
+def rollout(policy, ref_lm, reward_model, queries, truncate_token_id, args: Args, timer=None):
+    """Sample responses and compute everything PPO needs, in chunks of --local-rollout-forward-batch-size rows.
+    `timer(phase)` (optional) closes the timing of a phase: generation, logprobs (policy + reference), scoring."""
     pad_id, context_length, temperature = reward_model.pad_id, queries.shape[1], args.task.temperature
+    timer = timer or (lambda phase: None)
     outputs = []
     for start in range(0, queries.shape[0], args.local_rollout_forward_batch_size):
         query = queries[start : start + args.local_rollout_forward_batch_size]
         response = generate_responses(policy.lm, query, pad_id, args.task.response_length, temperature)
+        timer("time/generation")
         query_response = torch.cat([query, response], 1)  # (b, C + T)
         logits, value = policy(query_response, context_length, pad_id, temperature)
-        ref_logits = lm_logits(ref_lm, query_response, context_length, pad_id, temperature)
+        logprobs = logprobs_from_logits(logits, response)
+        ref_logprobs = logprobs_from_logits(
+            lm_logits(ref_lm, query_response, context_length, pad_id, temperature), response
+        )
+        timer("time/logprobs")
         postprocessed, score = score_responses(reward_model, query, response, truncate_token_id, args)
+        timer("time/scoring")
         outputs.append(
             dict(
                 responses=response,
                 postprocessed_responses=postprocessed,
-                logprobs=logprobs_from_logits(logits, response),
-                ref_logprobs=logprobs_from_logits(ref_logits, response),
+                logprobs=logprobs,
+                ref_logprobs=ref_logprobs,
                 values=value,
                 scores=score,
             )
         )
     return {key: torch.cat([output[key] for output in outputs]) for key in outputs[0]}
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory so far: GPU memory allocated by torch on CUDA, the process's peak resident size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class PhaseTimer:
+    """Wall time per phase of an update (`time/...` metrics); waits for the GPU so that a phase owns its kernels."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times, self.last = device, {}, time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.times[phase] = self.times.get(phase, 0.0) + now - self.last
+        self.last = now
 
 
 @torch.no_grad()
@@ -923,8 +954,8 @@ def main(args: Args) -> None:
         kl_coef = kl_ctl.value  # the rewards of this update use the coefficient from before its KL update
         # 1. rollout
         queries = stream.next_batch(args.local_batch_size).to(device)  # (B, C)
-        rollout_start = time.time()
-        data = rollout(unwrapped, ref_lm, reward_model, queries, truncate_token_id, args)
+        timer = PhaseTimer(device)
+        data = rollout(unwrapped, ref_lm, reward_model, queries, truncate_token_id, args, timer)
         responses, logprobs, values = data["responses"], data["logprobs"], data["values"]  # (B, T) each
         query_responses = torch.cat([queries, responses], 1)  # (B, C + T)
         context_length = queries.shape[1]
@@ -932,11 +963,10 @@ def main(args: Args) -> None:
         scores = data["scores"]  # (B,)
         # 3. per-token KL rewards, the score added on the last token (even when the response was cut earlier)
         kl, non_score_reward, rewards = compute_rewards(scores, logprobs, data["ref_logprobs"], kl_coef)  # (B, T)
-        rollout_time = time.time() - rollout_start
         # 4. whiten rewards and 5. GAE: per minibatch inside the epochs, like OAI's ppo.py (once per batch when
         # nminibatches = 1, OAI's setting for every task)
         # 6. PPO epochs
-        ppo_start, ppo_stats = time.time(), []
+        ppo_stats = []
         for _ in range(ppo.noptepochs):
             permutation = torch.randperm(args.local_batch_size, device=device)
             for mini_start in range(0, args.local_batch_size, args.local_mini_batch_size):
@@ -956,7 +986,7 @@ def main(args: Args) -> None:
                         optimizer.zero_grad()
                     stats["ppo/policy/entropy"] = entropy.mean()
                     ppo_stats.append(torch.stack(list(stats.values())))
-        ppo_time = time.time() - ppo_start
+        timer("time/ppo_epochs")
         # 7. log: every metric averaged over all micro-batches and processes, in one reduction
         sequence_kl = kl.sum(1)  # (B,)
         rollout_stats = {
@@ -983,8 +1013,8 @@ def main(args: Args) -> None:
             "ppo/episode": update * ppo.batch_size,
             "elapsed/time": elapsed,
             "elapsed/fps": update * ppo.batch_size * args.task.response_length / elapsed,
-            "time/rollout": rollout_time,
-            "time/ppo_epochs": ppo_time,
+            **timer.times,
+            "time/peak_memory_gb": peak_memory_gb(device),
         })  # fmt: skip
         if eval_queries is not None and (update % args.eval_every == 0 or update == args.num_updates):
             row.update(run_eval(update))

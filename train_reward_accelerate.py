@@ -701,7 +701,7 @@ def normalize_reward(accelerator, ref_lm, reward_model: RewardModel, queries: Qu
     """detail: reward normalization — reset gain/bias, then set gain = 1/σ, bias = -μ/σ with μ, σ (population std,
     sqrt(E[r²] - μ²), all-reduced over processes: OAI's formula) of the pretrained policy's rewards; a fresh sample
     then verifies mean ~0, std ~1. Returns the statistics to log."""
-    model = accelerator.unwrap_model(reward_model)
+    model, start = accelerator.unwrap_model(reward_model), time.perf_counter()
     n = math.ceil(args.normalize_samples / args.rollout_batch_size) * args.local_rollout_batch_size
 
     def stats():
@@ -721,6 +721,7 @@ def normalize_reward(accelerator, ref_lm, reward_model: RewardModel, queries: Qu
         f"normalization/{phase}/std": std,
         f"normalization/{phase}/normalized_mean": check_mean,
         f"normalization/{phase}/normalized_std": check_std,
+        f"time/normalization_{phase}": time.perf_counter() - start,
     }
 
 
@@ -843,6 +844,7 @@ def main(args: Args) -> None:
         lr = linear_lr(args.lr, update, args.num_updates)  # per step, k = 0 .. N - 1
         for group in optimizer.param_groups:
             group["lr"] = lr
+        step_start = time.perf_counter()
         global_ids = order[update * args.batch_size : (update + 1) * args.batch_size]
         local_ids = global_ids[accelerator.process_index * args.local_batch_size :][: args.local_batch_size]
         stats = []
@@ -862,10 +864,13 @@ def main(args: Args) -> None:
             "train/accuracy": accuracy,
             "train/lr": lr,
             "elapsed/time": time.time() - start_time,
+            "time/train_step": time.perf_counter() - step_start,
         }
         # 3. evaluate
         if (update + 1) % args.print_sample_output_freq == 0 or update + 1 == args.num_updates:
+            evaluation_start = time.perf_counter()
             row.update(evaluate(update + 1))
+            row["time/evaluation"] = time.perf_counter() - evaluation_start
             logger.console.print(
                 f"step {update + 1}: test/loss {row['test/loss']:.4f} accuracy {row['test/accuracy']:.4f}"
             )
