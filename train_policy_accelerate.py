@@ -4,20 +4,25 @@ Reproduces `lm_human_preferences/train_policy.py` (TF1, https://github.com/opena
 al. 2019) with every detail of "The N Implementation Details of RLHF with PPO" (Huang, Liu, von Werra, 2023): sample
 fixed-length responses at temperature 0.7, cut them after a '.' (or score them -1), reward = reward-model score on
 the last token minus kl_coef * KL(policy || pretrained) on every token, whitened rewards, GAE, 4 PPO epochs with
-clipped policy and value losses, TF-style Adam, and an adaptive KL coefficient. Specified in SPEC §1–3 and §5.
+clipped policy and value losses, TF-style Adam, and an adaptive KL coefficient. Specified in SPEC §1–3 and §5; the
+summarization tasks (--task.name tldr / cnndm: 500-token queries, 75-token responses cut after a newline, a fixed KL
+coefficient, no reward whitening) in §6.
 
 Launch (batch sizes are global: the same flags give the same optimization on any number of processes):
     python train_policy_accelerate.py --rewards.trained-model runs/RM_RUN/reward_model                # 1 GPU
     accelerate launch --num_processes 8 train_policy_accelerate.py --rewards.trained-model DIR         # 8 GPUs
+    accelerate launch --num_processes 8 train_policy_accelerate.py --task.name tldr --rewards.trained-model DIR
     python train_policy_accelerate.py --base-model models/tiny-gpt2 --rewards.trained-model DIR \\
         --task.query-dataset corpus.txt --ppo.total-episodes 64 --ppo.batch-size 16                   # CPU smoke
 Outputs in --output-dir: args.json, metrics.jsonl (one row per update), samples.jsonl, policy/ (a Hugging Face
 causal LM directory with its tokenizer) and, with --task.gold-labeler, eval_samples.jsonl.
 """
 
+import ctypes
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import time
@@ -52,10 +57,12 @@ class AdaptiveKLParams:
 class RewardHParams:
     trained_model: Optional[str] = None
     """reward model directory written by train_reward_accelerate.py (OUTPUT_DIR/reward_model); required"""
-    kl_coef: float = 0.15
-    """initial coefficient of the per-token KL penalty (beta)"""
-    use_adaptive_kl: bool = True
-    """adapt kl_coef towards adaptive_kl.target (OAI books tasks); --rewards.no-use-adaptive-kl keeps it fixed"""
+    kl_coef: Optional[float] = None
+    """initial coefficient of the per-token KL penalty, beta (per task: sentiment/descriptiveness 0.15, tldr 0.03,
+    cnndm 0.01)"""
+    use_adaptive_kl: Optional[bool] = None
+    """adapt kl_coef towards adaptive_kl.target; False keeps it fixed (per task: sentiment/descriptiveness True,
+    tldr/cnndm False)"""
     adaptive_kl: AdaptiveKLParams = field(default_factory=AdaptiveKLParams)
 
 
@@ -63,16 +70,16 @@ class RewardHParams:
 class PpoHParams:
     total_episodes: int = 1_000_000
     """episodes (query + response pairs) to train on; updates = ceil(total_episodes / batch_size)"""
-    batch_size: int = 512
-    """episodes per PPO update, over all processes (OAI: 512)"""
+    batch_size: Optional[int] = None
+    """episodes per PPO update, over all processes (per task: sentiment/descriptiveness 512, tldr/cnndm 32)"""
     nminibatches: int = 1
     """minibatches per PPO epoch (one optimizer step each)"""
     noptepochs: int = 4
     """PPO epochs over each batch"""
     gradient_accumulation_steps: int = 1
     """micro-batches per minibatch (memory knob; does not change the math)"""
-    lr: float = 1e-5
-    """learning rate, annealed linearly to 0 per update"""
+    lr: Optional[float] = None
+    """learning rate, annealed linearly to 0 per update (per task: sentiment/descriptiveness 1e-5, tldr/cnndm 2e-6)"""
     eps: float = 1e-5
     """Adam epsilon"""
     vf_coef: float = 0.1
@@ -85,35 +92,48 @@ class PpoHParams:
     """discount factor"""
     lam: float = 0.95
     """GAE lambda"""
-    whiten_rewards: bool = True
-    """whiten the per-token rewards (without shifting their mean) before GAE (OAI books: True)"""
+    whiten_rewards: Optional[bool] = None
+    """whiten the per-token rewards (without shifting their mean) before GAE (per task: sentiment/descriptiveness
+    True, tldr/cnndm False)"""
 
 
 @dataclass
 class TaskHParams:
-    query_dataset: str = "bookcorpus"
-    """query texts: a Hugging Face Hub dataset name, or a local .txt (one text per line) / .json / .jsonl file"""
-    query_field: str = "text"
-    """the field of each dataset row that holds the text"""
-    query_length: int = 64
-    """tokens per query (the blog's code later regressed to 24; OAI uses 64)"""
-    query_prefix: str = ""
-    """text put before every query"""
-    query_suffix: str = ""
-    """text put after every (padded) query"""
+    name: Literal["sentiment", "descriptiveness", "tldr", "cnndm"] = "sentiment"
+    """OAI's task (launch.py; SPEC §6): sets the default of every flag documented "per task" to this task's value"""
+    query_dataset: Optional[str] = None
+    """query texts: a Hugging Face Hub dataset name, or a local .txt (one text per line) / .json / .jsonl file (per
+    task: sentiment/descriptiveness 'bookcorpus', tldr 'webis/tldr-17', cnndm 'cnn_dailymail')"""
+    query_dataset_config: Optional[str] = None
+    """configuration name of a Hub --task.query-dataset (per task: cnndm '3.0.0', the others none)"""
+    query_field: Optional[str] = None
+    """the field of each dataset row that holds the text (per task: sentiment/descriptiveness 'text', tldr 'content',
+    cnndm 'article')"""
+    query_length: Optional[int] = None
+    """tokens per query, without prefix and suffix (per task: sentiment/descriptiveness 64, tldr/cnndm 500; the
+    blog's code later regressed the books tasks to 24)"""
+    query_prefix: Optional[str] = None
+    """text put before every query in the policy's input; the reward model reads the bare query, as OAI's did (per
+    task: cnndm 'Article:\\n\\n', the others '')"""
+    query_suffix: Optional[str] = None
+    """text put after every (padded) query in the policy's input (per task: tldr/cnndm '\\n\\nTL;DR:', the others '')"""
     start_text: Optional[str] = None
     """if set, a query starts after the first occurrence of this text (texts without it are skipped); OAI books:
     '.', but Hub `bookcorpus` is already one sentence per row"""
     end_text: Optional[str] = None
-    """if set, a query is cut after the last occurrence of this text (texts without it are skipped)"""
-    response_length: int = 24
-    """tokens sampled per response (never stopped early at EOS)"""
-    truncate_token: str = "."
-    """text of the token that ends a response after `truncate_after` (resolved with the tokenizer; '.' = 13 in GPT-2)"""
-    truncate_after: int = 16
-    """a response is cut after the first truncate token at response index >= this"""
-    temperature: float = 0.7
-    """sampling temperature; log-probs are always computed from logits divided by it"""
+    """if set, a query is cut after the last occurrence of this text (texts without it are skipped); OAI cnndm: '\\n',
+    but Hub `cnn_dailymail` joins an article's paragraphs with spaces, so it is not set here"""
+    response_length: Optional[int] = None
+    """tokens sampled per response, never stopped early at EOS (per task: sentiment/descriptiveness 24, tldr/cnndm 75)"""
+    truncate_token: Optional[str] = None
+    """text of the token that ends a response after `truncate_after`, resolved with the tokenizer (per task:
+    sentiment/descriptiveness '.' (13 in GPT-2), tldr/cnndm '\\n' (198))"""
+    truncate_after: Optional[int] = None
+    """a response is cut after the first truncate token at response index >= this (per task:
+    sentiment/descriptiveness 16, tldr/cnndm 55)"""
+    temperature: Optional[float] = None
+    """sampling temperature; log-probs are always computed from logits divided by it (per task: cnndm 0.5, the
+    others 0.7)"""
     penalty_reward_value: float = -1.0
     """score of a response with no truncate token at index >= truncate_after"""
     gold_labeler: Optional[Literal["sentiment", "descriptiveness"]] = None
@@ -168,11 +188,38 @@ class Args:
     run_name: tyro.conf.Suppress[Optional[str]] = None
 
 
+GLIBC_M_TRIM_THRESHOLD, GLIBC_M_MMAP_THRESHOLD = -1, -3  # mallopt() parameter numbers from glibc's malloc.h
 RANK_SEED_STRIDE = 100003  # process i samples with seed + i * RANK_SEED_STRIDE (a prime, so streams never collide)
 KL_ERROR_CLIP = 0.2  # OAI AdaptiveKLController clips the proportional error to +-0.2
 MIN_WHITEN_ROWS = 8  # whitening statistics over fewer rows per process-minibatch are too noisy (OAI asserts it)
 EVAL_SEED = 1234  # held-out evaluation samples with its own RNG, identical at every evaluation (paired comparison)
 SAMPLE_ROWS = 4  # rows of the sample table printed to the console
+
+# OAI's tasks (launch.py books_task, summarize_tldr_task, summarize_cnndm_task; SPEC §6): validate_args gives
+# every TaskHParams field left at None (its flag not given) the value of --task.name
+BOOKS_TASK = {"query_dataset": "bookcorpus", "query_field": "text", "query_length": 64, "response_length": 24,
+              "query_prefix": "", "query_suffix": "", "truncate_token": ".", "truncate_after": 16, "temperature": 0.7}  # fmt: skip
+SUMMARIZATION_TASK = {"query_length": 500, "response_length": 75, "query_prefix": "", "query_suffix": "\n\nTL;DR:",
+                      "truncate_token": "\n", "truncate_after": 55, "temperature": 0.7}  # fmt: skip
+TASK_DEFAULTS = {
+    "sentiment": BOOKS_TASK,
+    "descriptiveness": BOOKS_TASK,
+    "tldr": {**SUMMARIZATION_TASK, "query_dataset": "webis/tldr-17", "query_field": "content"},
+    "cnndm": {**SUMMARIZATION_TASK, "query_dataset": "cnn_dailymail", "query_dataset_config": "3.0.0",
+              "query_field": "article", "query_prefix": "Article:\n\n", "temperature": 0.5},
+}  # fmt: skip
+
+# OAI's PPO settings per task (launch.py get_experiments), for the Args left at None: the summarization tasks train
+# with a 16x smaller batch and a 5x smaller lr, a fixed KL coefficient and no reward whitening
+BOOKS_PPO = {"ppo.batch_size": 512, "ppo.lr": 1e-5, "ppo.whiten_rewards": True, "rewards.use_adaptive_kl": True}
+SUMMARIZATION_PPO = {"ppo.batch_size": 32, "ppo.lr": 2e-6, "ppo.whiten_rewards": False,
+                     "rewards.use_adaptive_kl": False}  # fmt: skip
+PPO_TASK_DEFAULTS = {
+    "sentiment": {**BOOKS_PPO, "rewards.kl_coef": 0.15},
+    "descriptiveness": {**BOOKS_PPO, "rewards.kl_coef": 0.15},
+    "tldr": {**SUMMARIZATION_PPO, "rewards.kl_coef": 0.03},
+    "cnndm": {**SUMMARIZATION_PPO, "rewards.kl_coef": 0.01},
+}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -202,6 +249,18 @@ def require_local_or_hub(value: str, flag: str) -> None:
         fail(
             f"{flag} {value!r} is not a local path and the Hugging Face Hub is unreachable: pass a local path to {flag}"
         )
+
+
+def fill_task_defaults(config, defaults: dict) -> None:
+    """Give every field of `config` still at None (its flag not given) the task's default; `defaults` maps field
+    paths relative to `config` (e.g. "ppo.lr") to values."""
+    for path, value in defaults.items():
+        *parents, name = path.split(".")
+        owner = config
+        for parent in parents:
+            owner = getattr(owner, parent)
+        if getattr(owner, name) is None:
+            setattr(owner, name, value)
 
 
 def derive_batch_size(total: int, parts: int, flags: str) -> int:
@@ -386,7 +445,8 @@ def make_optimizer(params, lr: float, eps: float, use_tensorflow_adam: bool) -> 
 
 
 def load_query_texts(task: TaskHParams):
-    """The query texts: a local .txt (one per line) / .json / .jsonl file, or a Hub dataset (train split)."""
+    """The query texts: a local .txt (one per line) / .json / .jsonl file, or a Hub dataset (train split, in the
+    configuration --task.query-dataset-config if set)."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -397,17 +457,42 @@ def load_query_texts(task: TaskHParams):
     else:
         require_local_or_hub(path, "--task.query-dataset")
         try:
-            dataset = datasets.load_dataset(path, split="train")
+            dataset = datasets.load_dataset(path, task.query_dataset_config, split="train")
         except (OSError, ValueError, ConnectionError) as error:
-            fail(f"--task.query-dataset {path!r}: cannot load ({str(error).splitlines()[0]})")
+            fail(
+                f"--task.query-dataset {path!r} (--task.query-dataset-config {task.query_dataset_config!r}): "
+                f"cannot load ({str(error).splitlines()[0]})"
+            )
     if task.query_field not in dataset.column_names:
         fail(f"--task.query-field {task.query_field!r} is not a column of {path} (columns: {dataset.column_names})")
     return dataset
 
 
-def format_query(tokenizer, text_tokens: list[int], task: TaskHParams, pad_id: int) -> Optional[list[int]]:
+def clean_query_text(text: str, task_name: str) -> str:
+    """OAI's clean-up of the summarization texts (datasets/tldr.py, cnndm.py); book sentences stay as they are.
+
+    Both: straight quotes (OAI: ftfy), Unix newlines, at most one empty line in a row, no surrounding whitespace.
+    cnndm also cuts at "@highlight" and drops the header before the story: the byline ("By . NAME ." in the Hub's
+    `cnn_dailymail`, whose loader joins lines with spaces and ends them with " ."; "By\\nNAME\\n" in .story files),
+    the Daily Mail date lines up to the last "PUBLISHED:/UPDATED: 15:36 EST, 25 October 2013" and the CNN dateline
+    up to "(CNN) --" (in the first 100 characters, like OAI)."""
+    if task_name not in ("tldr", "cnndm"):
+        return text
+    if task_name == "cnndm":
+        text = text.split("@highlight")[0]
+        text = re.sub(r"^\s*By(?: \. .{0,80}? \. |\s*\n[^\n]*\n)", "", text)
+        date = r"(?:PUBLISHED:|UPDATED:|Last updated at)[\s.]*\d{1,2}:\d{2}.*?\b(?:19|20)\d{2}\b[\s.|]*"
+        headers = list(re.finditer(date, text[:500]))
+        text = text[headers[-1].end() :] if headers else text
+        text = re.sub(r"^[\s\S]{0,100}\(CNN\)\s*(?:--)?", "", text)
+    text = text.translate(str.maketrans("\u2018\u2019\u201c\u201d", "''\"\"")).replace("\r\n", "\n")
+    return re.sub(r"\n{3,}", "\n\n", text).strip()
+
+
+def query_from_text(tokenizer, text_tokens: list[int], task: TaskHParams, pad_id: int) -> Optional[list[int]]:
     """OAI's query algorithm: start after start_text, keep query_length tokens, end after the last end_text,
-    right-pad, then prefix ⊕ query ⊕ suffix (so pads can sit in the middle). None: the text yields no query."""
+    right-pad to query_length. None: the text yields no query. The prefix and suffix come later (`QueryStream.format`):
+    the reward model and the label files see the bare query."""
     tokens = text_tokens
     if task.start_text:
         start = tokenizer.encode(task.start_text, add_special_tokens=False)
@@ -424,15 +509,12 @@ def format_query(tokenizer, text_tokens: list[int], task: TaskHParams, pad_id: i
         tokens = tokens[: hits[-1] + len(end)]
     if not tokens:
         return None
-    padded = tokens + [pad_id] * (task.query_length - len(tokens))
-    prefix, suffix = (
-        tokenizer.encode(text, add_special_tokens=False) for text in (task.query_prefix, task.query_suffix)
-    )
-    return prefix + padded + suffix
+    return tokens + [pad_id] * (task.query_length - len(tokens))
 
 
 class QueryStream:
-    """Endless batches of left-padded queries: texts in a seeded random order per epoch, tokenized lazily in chunks.
+    """Endless batches of left-padded queries (B, query_length): texts in a seeded random order per epoch, cleaned and
+    tokenized lazily in chunks; `format` turns them into the policy's contexts.
 
     All processes share the order (global seed); process r takes every world_size-th text, so none repeats a text
     another process uses in the same epoch. `position` counts the texts consumed (for resuming)."""
@@ -457,14 +539,24 @@ class QueryStream:
                 self.order = self._epoch_order()
             ids = self.order[self.position : self.position + self.chunk]
             self.position += len(ids)
-            texts = [self.texts[int(i)] for i in ids]
+            texts = [clean_query_text(self.texts[int(i)], self.task.name) for i in ids]
             for tokens in self.tokenizer(texts, add_special_tokens=False)["input_ids"]:
-                query = format_query(self.tokenizer, tokens, self.task, self.pad_id)
+                query = query_from_text(self.tokenizer, tokens, self.task, self.pad_id)
                 if query is not None:
                     self.buffer.append(query)
                     self.produced_in_epoch += 1
         batch, self.buffer = self.buffer[:n], self.buffer[n:]
         return right_padding_to_left_padding(torch.tensor(batch), self.pad_id)
+
+    def format(self, queries: torch.Tensor) -> torch.Tensor:
+        """The policy's contexts prefix ⊕ query ⊕ suffix (OAI's query_formatter): (B, prefix + query_length + suffix),
+        left-padded again, which moves the query's pads (now between prefix and query) to the front. OAI's reward
+        model scores the bare query ⊕ response, and its label files hold bare queries."""
+        prefix, suffix = (
+            queries.new_tensor(self.tokenizer.encode(text, add_special_tokens=False)).expand(len(queries), -1)
+            for text in (self.task.query_prefix, self.task.query_suffix)
+        )
+        return right_padding_to_left_padding(torch.cat([prefix, queries, suffix], 1), self.pad_id)
 
 
 class RewardModel(nn.Module):
@@ -572,6 +664,18 @@ def save_directory_atomic(path: Path, write) -> None:
         os.replace(temporary, path)
 
 
+def reuse_freed_host_memory() -> None:
+    """CPU speed: glibc hands every freed block above its mmap threshold (a (B, T, V) logits tensor is tens of MB)
+    back to the kernel, and the next allocation of that size page-faults it in again, zeroed; raising the thresholds
+    keeps such blocks for reuse (the math is unchanged). A no-op where glibc is absent."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(GLIBC_M_MMAP_THRESHOLD, 2**30)
+    libc.mallopt(GLIBC_M_TRIM_THRESHOLD, 2**31 - 1)
+
+
 def parameter_spread(accelerator: Accelerator, model: nn.Module) -> float:
     """max - min over processes of a float64 checksum of all parameters: 0 when every process holds the same model
     (DDP averages gradients, so any other value means the processes drifted apart)."""
@@ -624,7 +728,10 @@ class RunLogger:
 # End of the shared helpers.
 # ---------------------------------------------------------------------------------------------------------------------
 def validate_args(args: Args) -> Args:
-    """Derive every per-process size in one place and reject inconsistent flags before anything is loaded."""
+    """Fill in the task's defaults, derive every per-process size in one place and reject inconsistent flags before
+    anything is loaded."""
+    fill_task_defaults(args.task, TASK_DEFAULTS[args.task.name])
+    fill_task_defaults(args, PPO_TASK_DEFAULTS[args.task.name])
     ppo = args.ppo
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.local_batch_size = derive_batch_size(ppo.batch_size, args.world_size, "--ppo.batch-size / number of processes")
@@ -779,17 +886,19 @@ def ppo_losses(new_logprobs, vpred, logprobs, values, advantages, returns, ppo: 
 
 
 @torch.no_grad()
-def rollout(policy, ref_lm, reward_model, queries, truncate_token_id, args: Args, timer=None):
+def rollout(policy, ref_lm, reward_model, queries, contexts, truncate_token_id, args: Args, timer=None):
     """Sample responses and compute everything PPO needs, in chunks of --local-rollout-forward-batch-size rows.
+    Like OAI, the policies read the contexts (prefix ⊕ query ⊕ suffix), the reward model the bare query ⊕ response.
     `timer(phase)` (optional) closes the timing of a phase: generation, logprobs (policy + reference), scoring."""
-    pad_id, context_length, temperature = reward_model.pad_id, queries.shape[1], args.task.temperature
+    pad_id, context_length, temperature = reward_model.pad_id, contexts.shape[1], args.task.temperature
     timer = timer or (lambda phase: None)
     outputs = []
     for start in range(0, queries.shape[0], args.local_rollout_forward_batch_size):
-        query = queries[start : start + args.local_rollout_forward_batch_size]
-        response = generate_responses(policy.lm, query, pad_id, args.task.response_length, temperature)
+        rows = slice(start, start + args.local_rollout_forward_batch_size)
+        query, context = queries[rows], contexts[rows]
+        response = generate_responses(policy.lm, context, pad_id, args.task.response_length, temperature)
         timer("time/generation")
-        query_response = torch.cat([query, response], 1)  # (b, C + T)
+        query_response = torch.cat([context, response], 1)  # (b, C' + T), C' = prefix + C + suffix
         logits, value = policy(query_response, context_length, pad_id, temperature)
         logprobs = logprobs_from_logits(logits, response)
         ref_logprobs = logprobs_from_logits(
@@ -835,15 +944,21 @@ class PhaseTimer:
 
 
 @torch.no_grad()
-def evaluate_gold(accelerator, policy, ref_lm, reward_model, eval_queries, tokenizer, truncate_token_id, args, update):
+def evaluate_gold(
+    accelerator, policy, ref_lm, reward_model, eval_queries, eval_contexts, tokenizer, truncate_token_id, args, update
+):
     """Held-out evaluation: the same queries and sampling seed every time; the learned reward model's score
     (eval/rm_score, penalty applied) next to the simulated labeler's (eval/gold_score) on the post-processed text."""
-    local = eval_queries[accelerator.process_index :: accelerator.num_processes]
-    queries = local.repeat_interleave(args.eval_samples_per_query, 0).to(accelerator.device)
+    queries, contexts = (
+        x[accelerator.process_index :: accelerator.num_processes]
+        .repeat_interleave(args.eval_samples_per_query, 0)
+        .to(accelerator.device)
+        for x in (eval_queries, eval_contexts)
+    )
     devices = [accelerator.device] if accelerator.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(EVAL_SEED + accelerator.process_index)
-        data = rollout(policy, ref_lm, reward_model, queries, truncate_token_id, args)
+        data = rollout(policy, ref_lm, reward_model, queries, contexts, truncate_token_id, args)
     kl = (data["logprobs"] - data["ref_logprobs"]).sum(1)
     texts = decode(tokenizer, data["postprocessed_responses"])
     gold = simulated_labeler_scores(args.task.gold_labeler, texts)
@@ -867,6 +982,25 @@ def evaluate_gold(accelerator, policy, ref_lm, reward_model, eval_queries, token
         "eval/kl": float(np.mean([r["kl"] for r in rows])),
     }
     return metrics, rows
+
+
+def check_finite(row: dict, ppo_stats: torch.Tensor, update: int, args: Args, rank: int) -> None:
+    """Stop at the first non-finite metric (a NaN/inf loss, reward, advantage or KL poisons the averages), saying
+    where: the update and, when the PPO losses went bad on this process, the first epoch / minibatch / micro-batch."""
+    bad = [key for key, value in row.items() if not math.isfinite(value)]
+    if not bad:
+        return
+    where = ""
+    bad_rows = (~torch.isfinite(ppo_stats).all(1)).nonzero()
+    if len(bad_rows):
+        index, per_epoch = bad_rows[0].item(), args.ppo.nminibatches * args.ppo.gradient_accumulation_steps
+        minibatch, micro = divmod(index % per_epoch, args.ppo.gradient_accumulation_steps)
+        where = (
+            f", first in PPO epoch {index // per_epoch}, minibatch {minibatch}, micro-batch {micro} on process {rank}"
+        )
+    fail(
+        f"non-finite {', '.join(bad)} at update {update}{where}; stopped before saving, {args.output_dir}/policy not written"
+    )
 
 
 def check_reward_model(directory: str, tokenizer) -> None:
@@ -898,6 +1032,8 @@ def main(args: Args) -> None:
     output_dir = prepare_output_dir(args.output_dir, "policy", args.overwrite)
     accelerator = Accelerator(gradient_accumulation_steps=args.ppo.gradient_accumulation_steps)
     device = accelerator.device
+    if device.type == "cpu":
+        reuse_freed_host_memory()
     logger = RunLogger(accelerator, output_dir, args, args.track)
     if accelerator.is_main_process:
         write_text_atomic(output_dir / "args.json", json.dumps(asdict(args), indent=2))
@@ -913,10 +1049,11 @@ def main(args: Args) -> None:
     unwrapped = accelerator.unwrap_model(policy)
     torch.manual_seed(args.seed + accelerator.process_index * RANK_SEED_STRIDE)  # detail: per-process sampling seed
     texts = load_query_texts(args.task)[args.task.query_field]
-    eval_queries, train_text_ids = None, None
-    if args.task.gold_labeler is not None:  # held-out queries: the last texts of the dataset, kept out of training
+    eval_queries, eval_contexts, train_text_ids = None, None, None
+    if args.task.gold_labeler is not None:  # held-out queries: the first of a fixed text order, kept out of training
         held_out = QueryStream(texts, tokenizer, args.task, pad_id, seed=EVAL_SEED)
         eval_queries = held_out.next_batch(args.eval_queries)
+        eval_contexts = held_out.format(eval_queries)
         train_text_ids = held_out.order[held_out.position :]
     stream = QueryStream(
         texts,
@@ -938,7 +1075,16 @@ def main(args: Args) -> None:
 
     def run_eval(update: int) -> dict:
         metrics, rows = evaluate_gold(
-            accelerator, unwrapped, ref_lm, reward_model, eval_queries, tokenizer, truncate_token_id, args, update
+            accelerator,
+            unwrapped,
+            ref_lm,
+            reward_model,
+            eval_queries,
+            eval_contexts,
+            tokenizer,
+            truncate_token_id,
+            args,
+            update,
         )
         if accelerator.is_main_process:
             with open(output_dir / "eval_samples.jsonl", "a") as file:
@@ -953,12 +1099,13 @@ def main(args: Args) -> None:
             group["lr"] = lr
         kl_coef = kl_ctl.value  # the rewards of this update use the coefficient from before its KL update
         # 1. rollout
-        queries = stream.next_batch(args.local_batch_size).to(device)  # (B, C)
+        queries = stream.next_batch(args.local_batch_size).to(device)  # (B, C): what the reward model reads
+        contexts = stream.format(queries)  # (B, C'): prefix ⊕ query ⊕ suffix, what the policy reads (C' = C: books)
         timer = PhaseTimer(device)
-        data = rollout(unwrapped, ref_lm, reward_model, queries, truncate_token_id, args, timer)
+        data = rollout(unwrapped, ref_lm, reward_model, queries, contexts, truncate_token_id, args, timer)
         responses, logprobs, values = data["responses"], data["logprobs"], data["values"]  # (B, T) each
-        query_responses = torch.cat([queries, responses], 1)  # (B, C + T)
-        context_length = queries.shape[1]
+        query_responses = torch.cat([contexts, responses], 1)  # (B, C' + T)
+        context_length = contexts.shape[1]
         # 2. post-process responses and score: done in `rollout` (truncate after the truncate token, penalty)
         scores = data["scores"]  # (B,)
         # 3. per-token KL rewards, the score added on the last token (even when the response was cut earlier)
@@ -1003,6 +1150,7 @@ def main(args: Args) -> None:
         gathered = accelerator.gather(local[None])  # (processes, metrics): one collective for every metric
         row = dict(zip([*rollout_stats, *stats], gathered[:, :-1].mean(0).tolist(), strict=True))
         row["sync/kl_coef_spread"] = (gathered[:, -1].max() - gathered[:, -1].min()).item()  # 0: all in step
+        check_finite(row, torch.stack(ppo_stats), update, args, accelerator.process_index)
         # detail: adaptive KL from the KL averaged over all processes (the blog's code used one process's KL)
         kl_ctl.update(row["objective/kl"], ppo.batch_size)
         elapsed = time.time() - start_time

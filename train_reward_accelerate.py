@@ -9,6 +9,7 @@ the pretrained policy score mean 0 and std 1. Every detail is specified in SPEC 
 Launch (batch sizes are global: the same flags give the same optimization on any number of processes):
     python train_reward_accelerate.py --label-dataset sentiment/offline_5k.json          # 1 GPU
     accelerate launch --num_processes 8 train_reward_accelerate.py --seed 1               # 8 GPUs
+    accelerate launch --num_processes 8 train_reward_accelerate.py --task.name tldr       # tldr (or cnndm): 8 GPUs
     python train_reward_accelerate.py --base-model models/tiny-gpt2 --labels.source sentiment \\
         --task.query-dataset corpus.txt --labels.num-train 64 --labels.simulated-num-test 32 \\
         --rollout-batch-size 16 --normalize-samples 16 --batch-size 8                    # CPU smoke
@@ -16,9 +17,11 @@ Outputs in --output-dir: args.json, metrics.jsonl, reward_model/ (loaded by trai
 --rewards.trained-model), and labels.json when the labels are simulated.
 """
 
+import ctypes
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import time
@@ -44,10 +47,10 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokeni
 @dataclass
 class LabelHParams:
     type: Literal["best_of_4"] = "best_of_4"
-    """label type: a query, 4 sampled responses and the index of the one the labeler liked best (OAI books tasks)"""
-    num_train: int = 4992
+    """label type: a query, 4 sampled responses and the index of the one the labeler liked best (OAI, all 4 tasks)"""
+    num_train: Optional[int] = None
     """number of label records to train on (the first ones of the file); the rest, cut to whole batches, is the
-    held-out test set"""
+    held-out test set (per task: sentiment/descriptiveness 4992, tldr/cnndm 46000)"""
     source: Literal["file", "sentiment", "descriptiveness"] = "file"
     """`file`: human labels from --label-dataset; `sentiment` / `descriptiveness`: make best-of-4 labels here by
     sampling 4 responses per query from the base model and letting a noisy simulated labeler pick (offline)"""
@@ -59,29 +62,41 @@ class LabelHParams:
 
 @dataclass
 class TaskHParams:
-    query_dataset: str = "bookcorpus"
-    """query texts: a Hugging Face Hub dataset name, or a local .txt (one text per line) / .json / .jsonl file"""
-    query_field: str = "text"
-    """the field of each dataset row that holds the text"""
-    query_length: int = 64
-    """tokens per query (the blog's code later regressed to 24; OAI uses 64)"""
-    query_prefix: str = ""
-    """text put before every query"""
-    query_suffix: str = ""
-    """text put after every (padded) query"""
+    name: Literal["sentiment", "descriptiveness", "tldr", "cnndm"] = "sentiment"
+    """OAI's task (launch.py; SPEC §6): sets the default of every flag documented "per task" to this task's value"""
+    query_dataset: Optional[str] = None
+    """query texts: a Hugging Face Hub dataset name, or a local .txt (one text per line) / .json / .jsonl file (per
+    task: sentiment/descriptiveness 'bookcorpus', tldr 'webis/tldr-17', cnndm 'cnn_dailymail')"""
+    query_dataset_config: Optional[str] = None
+    """configuration name of a Hub --task.query-dataset (per task: cnndm '3.0.0', the others none)"""
+    query_field: Optional[str] = None
+    """the field of each dataset row that holds the text (per task: sentiment/descriptiveness 'text', tldr 'content',
+    cnndm 'article')"""
+    query_length: Optional[int] = None
+    """tokens per query, without prefix and suffix (per task: sentiment/descriptiveness 64, tldr/cnndm 500; the
+    blog's code later regressed the books tasks to 24)"""
+    query_prefix: Optional[str] = None
+    """text put before every query in the policy's input; the reward model reads the bare query, as OAI's did (per
+    task: cnndm 'Article:\\n\\n', the others '')"""
+    query_suffix: Optional[str] = None
+    """text put after every (padded) query in the policy's input (per task: tldr/cnndm '\\n\\nTL;DR:', the others '')"""
     start_text: Optional[str] = None
     """if set, a query starts after the first occurrence of this text (texts without it are skipped); OAI books:
     '.', but Hub `bookcorpus` is already one sentence per row"""
     end_text: Optional[str] = None
-    """if set, a query is cut after the last occurrence of this text (texts without it are skipped)"""
-    response_length: int = 24
-    """tokens sampled per response (never stopped early at EOS)"""
-    truncate_token: str = "."
-    """text of the token that ends a response after `truncate_after` (resolved with the tokenizer; '.' = 13 in GPT-2)"""
-    truncate_after: int = 16
-    """a response is cut after the first truncate token at response index >= this"""
-    temperature: float = 0.7
-    """sampling temperature; log-probs are always computed from logits divided by it"""
+    """if set, a query is cut after the last occurrence of this text (texts without it are skipped); OAI cnndm: '\\n',
+    but Hub `cnn_dailymail` joins an article's paragraphs with spaces, so it is not set here"""
+    response_length: Optional[int] = None
+    """tokens sampled per response, never stopped early at EOS (per task: sentiment/descriptiveness 24, tldr/cnndm 75)"""
+    truncate_token: Optional[str] = None
+    """text of the token that ends a response after `truncate_after`, resolved with the tokenizer (per task:
+    sentiment/descriptiveness '.' (13 in GPT-2), tldr/cnndm '\\n' (198))"""
+    truncate_after: Optional[int] = None
+    """a response is cut after the first truncate token at response index >= this (per task:
+    sentiment/descriptiveness 16, tldr/cnndm 55)"""
+    temperature: Optional[float] = None
+    """sampling temperature; log-probs are always computed from logits divided by it (per task: cnndm 0.5, the
+    others 0.7)"""
 
 
 @dataclass
@@ -104,22 +119,25 @@ class Args:
     """validate every flag, print the derived sizes and exit before loading any model or data"""
     base_model: str = "gpt2"
     """pretrained causal LM: a Hub id or a local directory (any AutoModelForCausalLM)"""
-    label_dataset: str = "sentiment/offline_5k.json"
-    """best-of-4 label file: a file name in the Hub dataset --label-dataset-repo, or a local JSON path"""
+    label_dataset: Optional[str] = None
+    """best-of-4 label file: a file name in the Hub dataset --label-dataset-repo, or a local JSON path (per task:
+    'sentiment/offline_5k.json', 'descriptiveness/offline_5k.json', 'tldr/online_45k.json', 'cnndm/online_45k.json')"""
     label_dataset_repo: str = "vwxyzjn/lm-human-preferences"
     """Hub dataset repo holding OAI's label files (mirror of OAI's public blob storage)"""
-    batch_size: int = 32
-    """label records per optimizer step, over all processes (OAI: 32)"""
+    batch_size: Optional[int] = None
+    """label records per optimizer step, over all processes (per task: sentiment/descriptiveness 32, tldr/cnndm 16)"""
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step (memory knob; does not change the math)"""
-    lr: float = 5e-5
-    """learning rate, annealed linearly to 0 over the training steps"""
+    lr: Optional[float] = None
+    """learning rate, annealed linearly to 0 over the training steps (per task: sentiment/descriptiveness 5e-5,
+    tldr/cnndm 2.5e-5)"""
     eps: float = 1e-5
     """Adam epsilon"""
     use_tensorflow_adam: bool = True
     """TF1-style Adam (eps outside the bias correction, as in OAI); --no-use-tensorflow-adam: torch.optim.Adam"""
-    rollout_batch_size: int = 512
-    """responses per normalization round, over all processes (OAI: 512)"""
+    rollout_batch_size: Optional[int] = None
+    """responses per normalization round, over all processes (per task: sentiment/descriptiveness 512, tldr/cnndm
+    128)"""
     local_rollout_forward_batch_size: int = 64
     """rows per generation / scoring forward on one process (memory knob; does not change the math)"""
     normalize_before: bool = True
@@ -128,7 +146,7 @@ class Args:
     """normalize again after training (OAI books: True)"""
     normalize_samples: int = 256
     """samples that estimate the reward mean/std; drawn as ceil(normalize_samples / rollout_batch_size) rollout
-    batches, i.e. one batch of 512 with OAI's settings"""
+    batches, i.e. one batch of 512 (books tasks) or two of 128 (summarization) with OAI's settings"""
     eval_batch_size: int = 256
     """label records per no-grad forward when evaluating, over all processes"""
     print_sample_output_freq: int = 60
@@ -145,9 +163,34 @@ class Args:
 
 
 OPENAI_PAD_ID = 50259  # OAI's label files pad queries and samples with this id (one past GPT-2's 50257 + 2)
+GLIBC_M_TRIM_THRESHOLD, GLIBC_M_MMAP_THRESHOLD = -1, -3  # mallopt() parameter numbers from glibc's malloc.h
 RANK_SEED_STRIDE = 100003  # process i samples with seed + i * RANK_SEED_STRIDE (a prime, so streams never collide)
 NUM_SAMPLES = 4  # best-of-4
 SAMPLE_ROWS = 4  # rows of the sample table printed to the console
+
+# OAI's tasks (launch.py books_task, summarize_tldr_task, summarize_cnndm_task; SPEC §6): validate_args gives
+# every TaskHParams field left at None (its flag not given) the value of --task.name
+BOOKS_TASK = {"query_dataset": "bookcorpus", "query_field": "text", "query_length": 64, "response_length": 24,
+              "query_prefix": "", "query_suffix": "", "truncate_token": ".", "truncate_after": 16, "temperature": 0.7}  # fmt: skip
+SUMMARIZATION_TASK = {"query_length": 500, "response_length": 75, "query_prefix": "", "query_suffix": "\n\nTL;DR:",
+                      "truncate_token": "\n", "truncate_after": 55, "temperature": 0.7}  # fmt: skip
+TASK_DEFAULTS = {
+    "sentiment": BOOKS_TASK,
+    "descriptiveness": BOOKS_TASK,
+    "tldr": {**SUMMARIZATION_TASK, "query_dataset": "webis/tldr-17", "query_field": "content"},
+    "cnndm": {**SUMMARIZATION_TASK, "query_dataset": "cnn_dailymail", "query_dataset_config": "3.0.0",
+              "query_field": "article", "query_prefix": "Article:\n\n", "temperature": 0.5},
+}  # fmt: skip
+
+# OAI's reward-model training per task (launch.py get_train_reward_experiments), for the Args left at None
+BOOKS_REWARD_TRAINING = {"labels.num_train": 4992, "batch_size": 32, "lr": 5e-5, "rollout_batch_size": 512}
+SUMMARIZATION_REWARD_TRAINING = {"labels.num_train": 46000, "batch_size": 16, "lr": 2.5e-5, "rollout_batch_size": 128}
+REWARD_TASK_DEFAULTS = {
+    "sentiment": {"label_dataset": "sentiment/offline_5k.json", **BOOKS_REWARD_TRAINING},
+    "descriptiveness": {"label_dataset": "descriptiveness/offline_5k.json", **BOOKS_REWARD_TRAINING},
+    "tldr": {"label_dataset": "tldr/online_45k.json", **SUMMARIZATION_REWARD_TRAINING},
+    "cnndm": {"label_dataset": "cnndm/online_45k.json", **SUMMARIZATION_REWARD_TRAINING},
+}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -177,6 +220,18 @@ def require_local_or_hub(value: str, flag: str) -> None:
         fail(
             f"{flag} {value!r} is not a local path and the Hugging Face Hub is unreachable: pass a local path to {flag}"
         )
+
+
+def fill_task_defaults(config, defaults: dict) -> None:
+    """Give every field of `config` still at None (its flag not given) the task's default; `defaults` maps field
+    paths relative to `config` (e.g. "ppo.lr") to values."""
+    for path, value in defaults.items():
+        *parents, name = path.split(".")
+        owner = config
+        for parent in parents:
+            owner = getattr(owner, parent)
+        if getattr(owner, name) is None:
+            setattr(owner, name, value)
 
 
 def derive_batch_size(total: int, parts: int, flags: str) -> int:
@@ -361,7 +416,8 @@ def make_optimizer(params, lr: float, eps: float, use_tensorflow_adam: bool) -> 
 
 
 def load_query_texts(task: TaskHParams):
-    """The query texts: a local .txt (one per line) / .json / .jsonl file, or a Hub dataset (train split)."""
+    """The query texts: a local .txt (one per line) / .json / .jsonl file, or a Hub dataset (train split, in the
+    configuration --task.query-dataset-config if set)."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -372,17 +428,42 @@ def load_query_texts(task: TaskHParams):
     else:
         require_local_or_hub(path, "--task.query-dataset")
         try:
-            dataset = datasets.load_dataset(path, split="train")
+            dataset = datasets.load_dataset(path, task.query_dataset_config, split="train")
         except (OSError, ValueError, ConnectionError) as error:
-            fail(f"--task.query-dataset {path!r}: cannot load ({str(error).splitlines()[0]})")
+            fail(
+                f"--task.query-dataset {path!r} (--task.query-dataset-config {task.query_dataset_config!r}): "
+                f"cannot load ({str(error).splitlines()[0]})"
+            )
     if task.query_field not in dataset.column_names:
         fail(f"--task.query-field {task.query_field!r} is not a column of {path} (columns: {dataset.column_names})")
     return dataset
 
 
-def format_query(tokenizer, text_tokens: list[int], task: TaskHParams, pad_id: int) -> Optional[list[int]]:
+def clean_query_text(text: str, task_name: str) -> str:
+    """OAI's clean-up of the summarization texts (datasets/tldr.py, cnndm.py); book sentences stay as they are.
+
+    Both: straight quotes (OAI: ftfy), Unix newlines, at most one empty line in a row, no surrounding whitespace.
+    cnndm also cuts at "@highlight" and drops the header before the story: the byline ("By . NAME ." in the Hub's
+    `cnn_dailymail`, whose loader joins lines with spaces and ends them with " ."; "By\\nNAME\\n" in .story files),
+    the Daily Mail date lines up to the last "PUBLISHED:/UPDATED: 15:36 EST, 25 October 2013" and the CNN dateline
+    up to "(CNN) --" (in the first 100 characters, like OAI)."""
+    if task_name not in ("tldr", "cnndm"):
+        return text
+    if task_name == "cnndm":
+        text = text.split("@highlight")[0]
+        text = re.sub(r"^\s*By(?: \. .{0,80}? \. |\s*\n[^\n]*\n)", "", text)
+        date = r"(?:PUBLISHED:|UPDATED:|Last updated at)[\s.]*\d{1,2}:\d{2}.*?\b(?:19|20)\d{2}\b[\s.|]*"
+        headers = list(re.finditer(date, text[:500]))
+        text = text[headers[-1].end() :] if headers else text
+        text = re.sub(r"^[\s\S]{0,100}\(CNN\)\s*(?:--)?", "", text)
+    text = text.translate(str.maketrans("\u2018\u2019\u201c\u201d", "''\"\"")).replace("\r\n", "\n")
+    return re.sub(r"\n{3,}", "\n\n", text).strip()
+
+
+def query_from_text(tokenizer, text_tokens: list[int], task: TaskHParams, pad_id: int) -> Optional[list[int]]:
     """OAI's query algorithm: start after start_text, keep query_length tokens, end after the last end_text,
-    right-pad, then prefix ⊕ query ⊕ suffix (so pads can sit in the middle). None: the text yields no query."""
+    right-pad to query_length. None: the text yields no query. The prefix and suffix come later (`QueryStream.format`):
+    the reward model and the label files see the bare query."""
     tokens = text_tokens
     if task.start_text:
         start = tokenizer.encode(task.start_text, add_special_tokens=False)
@@ -399,15 +480,12 @@ def format_query(tokenizer, text_tokens: list[int], task: TaskHParams, pad_id: i
         tokens = tokens[: hits[-1] + len(end)]
     if not tokens:
         return None
-    padded = tokens + [pad_id] * (task.query_length - len(tokens))
-    prefix, suffix = (
-        tokenizer.encode(text, add_special_tokens=False) for text in (task.query_prefix, task.query_suffix)
-    )
-    return prefix + padded + suffix
+    return tokens + [pad_id] * (task.query_length - len(tokens))
 
 
 class QueryStream:
-    """Endless batches of left-padded queries: texts in a seeded random order per epoch, tokenized lazily in chunks.
+    """Endless batches of left-padded queries (B, query_length): texts in a seeded random order per epoch, cleaned and
+    tokenized lazily in chunks; `format` turns them into the policy's contexts.
 
     All processes share the order (global seed); process r takes every world_size-th text, so none repeats a text
     another process uses in the same epoch. `position` counts the texts consumed (for resuming)."""
@@ -432,14 +510,24 @@ class QueryStream:
                 self.order = self._epoch_order()
             ids = self.order[self.position : self.position + self.chunk]
             self.position += len(ids)
-            texts = [self.texts[int(i)] for i in ids]
+            texts = [clean_query_text(self.texts[int(i)], self.task.name) for i in ids]
             for tokens in self.tokenizer(texts, add_special_tokens=False)["input_ids"]:
-                query = format_query(self.tokenizer, tokens, self.task, self.pad_id)
+                query = query_from_text(self.tokenizer, tokens, self.task, self.pad_id)
                 if query is not None:
                     self.buffer.append(query)
                     self.produced_in_epoch += 1
         batch, self.buffer = self.buffer[:n], self.buffer[n:]
         return right_padding_to_left_padding(torch.tensor(batch), self.pad_id)
+
+    def format(self, queries: torch.Tensor) -> torch.Tensor:
+        """The policy's contexts prefix ⊕ query ⊕ suffix (OAI's query_formatter): (B, prefix + query_length + suffix),
+        left-padded again, which moves the query's pads (now between prefix and query) to the front. OAI's reward
+        model scores the bare query ⊕ response, and its label files hold bare queries."""
+        prefix, suffix = (
+            queries.new_tensor(self.tokenizer.encode(text, add_special_tokens=False)).expand(len(queries), -1)
+            for text in (self.task.query_prefix, self.task.query_suffix)
+        )
+        return right_padding_to_left_padding(torch.cat([prefix, queries, suffix], 1), self.pad_id)
 
 
 class RewardModel(nn.Module):
@@ -547,6 +635,18 @@ def save_directory_atomic(path: Path, write) -> None:
         os.replace(temporary, path)
 
 
+def reuse_freed_host_memory() -> None:
+    """CPU speed: glibc hands every freed block above its mmap threshold (a (B, T, V) logits tensor is tens of MB)
+    back to the kernel, and the next allocation of that size page-faults it in again, zeroed; raising the thresholds
+    keeps such blocks for reuse (the math is unchanged). A no-op where glibc is absent."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(GLIBC_M_MMAP_THRESHOLD, 2**30)
+    libc.mallopt(GLIBC_M_TRIM_THRESHOLD, 2**31 - 1)
+
+
 def parameter_spread(accelerator: Accelerator, model: nn.Module) -> float:
     """max - min over processes of a float64 checksum of all parameters: 0 when every process holds the same model
     (DDP averages gradients, so any other value means the processes drifted apart)."""
@@ -599,7 +699,10 @@ class RunLogger:
 # End of the shared helpers.
 # ---------------------------------------------------------------------------------------------------------------------
 def validate_args(args: Args) -> Args:
-    """Derive every per-process size in one place and reject inconsistent flags before anything is loaded."""
+    """Fill in the task's defaults, derive every per-process size in one place and reject inconsistent flags before
+    anything is loaded."""
+    fill_task_defaults(args.task, TASK_DEFAULTS[args.task.name])
+    fill_task_defaults(args, REWARD_TASK_DEFAULTS[args.task.name])
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.local_batch_size = derive_batch_size(args.batch_size, args.world_size, "--batch-size / number of processes")
     args.micro_batch_size = derive_batch_size(
@@ -627,8 +730,19 @@ def validate_args(args: Args) -> Args:
     return args
 
 
+def label_type(record: dict) -> str:
+    """The label type of a record, told by its answer key like OAI's label_types.py: best_of_N (`best`, N samples),
+    scalar_rating (`score`), scalar_compare (`difference`); `choice`: a pairwise comparison (sample0 vs sample1)."""
+    for key, kind in (("score", "scalar_rating"), ("difference", "scalar_compare"), ("choice", "pairwise")):
+        if key in record and "best" not in record:
+            return kind
+    samples = [int(key[6:]) for key in record if key.startswith("sample") and key[6:].isdigit()]
+    return f"best_of_{max(samples, default=NUM_SAMPLES - 1) + 1}"
+
+
 def load_labels(path: str, tokenizer, pad_id: int, args: Args) -> dict[str, torch.Tensor]:
-    """Read and validate a best-of-4 label file; every problem is one line naming the file and the record."""
+    """Read and validate a best-of-4 label file (OAI's books and summarization files alike: queries of the task's
+    --task.query-length, bare, without prefix/suffix); every problem is one line naming the file and the record."""
     try:
         records = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -641,6 +755,11 @@ def load_labels(path: str, tokenizer, pad_id: int, args: Args) -> dict[str, torc
         where = f"--label-dataset {path}: record {index}"
         if not isinstance(record, dict):
             fail(f"{where} is not an object")
+        if label_type(record) != "best_of_4":
+            fail(
+                f"{where}: label type {label_type(record)} not supported (keys: {', '.join(sorted(record))}); "
+                "only best_of_4 labels (query, sample0..sample3, best)"
+            )
         for key, length in lengths.items():
             if key not in record:
                 fail(f"{where} has no {key!r} (best-of-4 records need query, sample0..sample3, best)")
@@ -682,13 +801,14 @@ def best_of_4_loss(reward_model: RewardModel, queries, samples, best):
 
 @torch.no_grad()
 def sample_and_score(ref_lm, reward_model, queries: QueryStream, n: int, args: Args):
-    """Sample n responses of the pretrained policy and score them (raw, not truncated): (queries, responses, scores)."""
+    """Sample n responses of the pretrained policy and score them (raw, not truncated): (queries, responses, scores).
+    Like OAI, the policy reads the formatted context (prefix ⊕ query ⊕ suffix), the reward model query ⊕ response."""
     all_queries, all_responses, all_scores = [], [], []
     chunk = args.local_rollout_forward_batch_size
     for start in range(0, n, chunk):
-        query = queries.next_batch(min(chunk, n - start))
+        query = queries.next_batch(min(chunk, n - start)).to(ref_lm.device)  # (b, C)
         response = generate_responses(
-            ref_lm, query, reward_model.pad_id, args.task.response_length, args.task.temperature
+            ref_lm, queries.format(query), reward_model.pad_id, args.task.response_length, args.task.temperature
         )
         all_scores.append(reward_model(torch.cat([query, response], 1)))
         all_queries.append(query)
@@ -734,10 +854,9 @@ def simulate_labels(accelerator, ref_lm, queries: QueryStream, tokenizer, pad_id
     chunk = max(args.local_rollout_forward_batch_size // NUM_SAMPLES, 1)
     records = []
     for start in track(range(0, local, chunk), "simulating labels", disable=not accelerator.is_main_process):
-        query = queries.next_batch(min(chunk, local - start))
-        response = generate_responses(
-            ref_lm, query.repeat_interleave(NUM_SAMPLES, 0), pad_id, args.task.response_length, args.task.temperature
-        )
+        query = queries.next_batch(min(chunk, local - start)).to(ref_lm.device)  # (b, C): bare, as in OAI's files
+        contexts = queries.format(query).repeat_interleave(NUM_SAMPLES, 0)  # (4b, prefix + C + suffix)
+        response = generate_responses(ref_lm, contexts, pad_id, args.task.response_length, args.task.temperature)
         response, _ = truncate_responses(response, truncate_token_id, args.task.truncate_after, pad_id)
         scores = simulated_labeler_scores(args.labels.source, decode(tokenizer, response))
         for i in range(query.shape[0]):
@@ -780,6 +899,8 @@ def main(args: Args) -> None:
         labels = load_labels(label_path, tokenizer, pad_id, args)  # validated before any model is loaded
     output_dir = prepare_output_dir(args.output_dir, "reward_model", args.overwrite)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    if accelerator.device.type == "cpu":
+        reuse_freed_host_memory()
     logger = RunLogger(accelerator, output_dir, args, args.track)
     if accelerator.is_main_process:
         write_text_atomic(output_dir / "args.json", json.dumps(asdict(args), indent=2))
@@ -858,6 +979,14 @@ def main(args: Args) -> None:
                 optimizer.zero_grad()
             stats.append(torch.stack([loss.detach(), accuracy]))
         loss, accuracy = accelerator.reduce(torch.stack(stats).mean(0), "mean").tolist()
+        if not math.isfinite(loss):
+            micro = next((i for i, stat in enumerate(stats) if not torch.isfinite(stat).all()), None)
+            where = (
+                "another process" if micro is None else f"micro-batch {micro} on process {accelerator.process_index}"
+            )
+            fail(
+                f"non-finite train/loss at step {update + 1} ({where}); stopped before saving: no reward_model/ written"
+            )
         row = {
             "step": update + 1,
             "train/loss": loss,

@@ -23,6 +23,7 @@ SUITE_COMMAND_COUNTS = {
     "grad_accum.sh": 4,  # reward x2, policy x2
     "large_models.sh": 10,  # (gpt2-large, gpt2-xl) x 2 tasks + gpt2-xl torch Adam, each (reward, policy)
     "other_models.sh": 12,  # (gpt2, pythia-160m, SmolLM2-135M) x 2 tasks x (reward, policy), simulated labels
+    "summarize.sh": 4,  # tldr, cnndm x (reward, policy)
 }
 
 

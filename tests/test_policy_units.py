@@ -396,3 +396,23 @@ def test_logprobs_and_entropy_by_hand():
     torch.testing.assert_close(same_logprobs, logprobs)
     # -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.562335; ln 2 = 0.693147
     torch.testing.assert_close(entropy, torch.tensor([[0.562335, 0.693147]]), atol=1e-6, rtol=0)
+
+
+def test_check_finite_names_the_metric_update_and_micro_batch(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = P.validate_args(
+        P.Args(
+            rewards=P.RewardHParams(trained_model="x"),
+            ppo=P.PpoHParams(batch_size=64, nminibatches=2, gradient_accumulation_steps=2),
+            output_dir="runs/x",
+        )  # fmt: skip
+    )
+    stats = torch.zeros(4 * 2 * 2, 3)  # (epochs * minibatches * micro-batches, metrics)
+    P.check_finite({"ppo/loss/total": 0.5}, stats, 7, args, 0)  # all finite: no error
+    stats[2 * 4 + 3, 1] = float("nan")  # epoch 2, minibatch 1, micro-batch 1
+    with pytest.raises(SystemExit) as error:
+        P.check_finite({"ppo/loss/total": float("nan"), "objective/kl": 1.0}, stats, 7, args, 0)
+    message = str(error.value)
+    assert len(message.splitlines()) == 1
+    assert "ppo/loss/total" in message and "update 7" in message and "objective/kl" not in message
+    assert "PPO epoch 2, minibatch 1, micro-batch 1 on process 0" in message and "runs/x/policy not written" in message

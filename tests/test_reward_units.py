@@ -352,6 +352,9 @@ class CyclingQueries:
         self.position += n
         return self.queries[index]
 
+    def format(self, queries: torch.Tensor) -> torch.Tensor:
+        return queries  # no prefix or suffix
+
 
 def test_normalize_reward_sets_population_mean_0_std_1(gpt2_dir):
     args = R.Args(normalize_samples=8, rollout_batch_size=8, local_rollout_forward_batch_size=3)
@@ -550,20 +553,20 @@ def test_validate_args_rejects_inconsistent_sizes_naming_the_flag(monkeypatch, w
 # queries (SPEC §6)
 
 
-def test_format_query_start_and_end_text(tokenizer):
+def test_query_from_text_start_and_end_text(tokenizer):
     task = R.TaskHParams(query_length=6, start_text=".", end_text=".")
     # "Hello world. usually, he would. Hello" = [15496, 995, 13, 23073, 11, 339, 561, 13, 15496]
     text = [15496, 995, 13, 23073, 11, 339, 561, 13, 15496]
     # after the first '.', keep 6 tokens [23073, 11, 339, 561, 13, 15496], cut after the last '.', right-pad
-    assert R.format_query(tokenizer, text, task, PAD) == [23073, 11, 339, 561, 13, PAD]
-    assert R.format_query(tokenizer, [15496, 995], task, PAD) is None  # no start text
-    assert R.format_query(tokenizer, [13, 23073, 11, 339, 561], task, PAD) is None  # no end text after the start
+    assert R.query_from_text(tokenizer, text, task, PAD) == [23073, 11, 339, 561, 13, PAD]
+    assert R.query_from_text(tokenizer, [15496, 995], task, PAD) is None  # no start text
+    assert R.query_from_text(tokenizer, [13, 23073, 11, 339, 561], task, PAD) is None  # no end text after the start
     short = R.TaskHParams(query_length=3, end_text=".")  # the '.' at index 3 falls outside the 3 kept tokens
-    assert R.format_query(tokenizer, [23073, 11, 339, 13], short, PAD) is None
-    assert R.format_query(tokenizer, [], R.TaskHParams(query_length=4), PAD) is None  # empty text
+    assert R.query_from_text(tokenizer, [23073, 11, 339, 13], short, PAD) is None
+    assert R.query_from_text(tokenizer, [], R.TaskHParams(query_length=4), PAD) is None  # empty text
 
 
-def test_format_query_adds_no_special_tokens_with_a_bos_adding_tokenizer(gpt2_tokenizer_dir):
+def test_queries_add_no_special_tokens_with_a_bos_adding_tokenizer(gpt2_tokenizer_dir):
     """Llama/Mistral-style tokenizers prepend BOS in `encode`: start/end text, prefix and suffix must be encoded
     without special tokens, or the start text is never found and a BOS lands in the middle of every query."""
     bos_tokenizer = AutoTokenizer.from_pretrained(str(gpt2_tokenizer_dir), add_bos_token=True)
@@ -571,16 +574,20 @@ def test_format_query_adds_no_special_tokens_with_a_bos_adding_tokenizer(gpt2_to
     assert bos_tokenizer.encode(".") == [EOS, DOT]  # GPT-2's BOS is <|endoftext|> = 50256
     task = R.TaskHParams(query_length=6, start_text=".", end_text=".", query_prefix="Hello", query_suffix=" world")
     text = [15496, 995, 13, 23073, 11, 339, 561, 13, 15496]
-    expected = [15496, 23073, 11, 339, 561, 13, PAD, 995]  # "Hello" ⊕ query ⊕ " world", no 50256 anywhere
-    assert R.format_query(bos_tokenizer, text, task, PAD) == expected
+    assert R.query_from_text(bos_tokenizer, text, task, PAD) == [23073, 11, 339, 561, 13, PAD]  # no 50256
+    stream = R.QueryStream(["x"], bos_tokenizer, task, PAD, seed=0)
+    contexts = stream.format(torch.tensor([[PAD, 23073, 11, 339, 561, 13]]))
+    assert contexts.tolist() == [[PAD, 15496, 23073, 11, 339, 561, 13, 995]]  # "Hello" ⊕ query ⊕ " world", no 50256
 
 
 def test_query_stream_prefix_suffix_and_middle_pads_go_left(tokenizer):
     task = R.TaskHParams(query_length=4, query_prefix="Hello", query_suffix=" world")  # [15496], [995]
-    assert R.format_query(tokenizer, [23073, 11], task, PAD) == [15496, 23073, 11, PAD, PAD, 995]
+    assert R.query_from_text(tokenizer, [23073, 11], task, PAD) == [23073, 11, PAD, PAD]  # bare, right-padded
     stream = R.QueryStream(["", "usually,", ""], tokenizer, task, PAD, seed=0)  # "usually," = [23073, 11]
-    batch = stream.next_batch(3)  # empty texts skipped; the one real text repeats over epochs
-    assert batch.tolist() == [[PAD, PAD, 15496, 23073, 11, 995]] * 3
+    queries = stream.next_batch(3)  # empty texts skipped; the one real text repeats over epochs
+    assert queries.tolist() == [[PAD, PAD, 23073, 11]] * 3  # what the reward model reads
+    # the policy's context: "Hello" ⊕ [23073, 11, PAD, PAD] ⊕ " world" (pads in the middle) -> pads to the left
+    assert stream.format(queries).tolist() == [[PAD, PAD, 15496, 23073, 11, 995]] * 3
 
 
 def test_query_stream_without_any_query_names_the_flag(tokenizer):

@@ -1,0 +1,194 @@
+"""Throughput of the real training loops: runs N updates of train_policy_accelerate.py (and/or N steps of
+train_reward_accelerate.py plus a held-out evaluation) on a model of any size with random weights — no download —
+and prints one JSON line per stage: seconds per update, episodes/s, response tokens/s, the phase split, peak memory
+and an MFU estimate (model FLOPs per second / a matmul peak measured at start, or --peak-tflops).
+
+    python benchmark/throughput.py --model tiny --batch-size 16 --query-length 24            # the blog comparison
+    python benchmark/throughput.py --model gpt2 --batch-size 8 --updates 3
+    python benchmark/throughput.py --model gpt2-large --batch-size 64 --stage policy        # on a GPU
+    python benchmark/throughput.py --model path/to/causal_lm_dir --stage reward
+
+The first update / step is a warm-up and is excluded; the numbers are medians over the rest.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+import tyro
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# GPT-2 family shapes (n_layer, n_embd, n_head); "tiny" is the 2-layer, 128-wide model of the blog comparison
+SIZES = {
+    "tiny": (2, 128, 4),
+    "gpt2": (12, 768, 12),
+    "gpt2-medium": (24, 1024, 16),
+    "gpt2-large": (36, 1280, 20),
+    "gpt2-xl": (48, 1600, 25),
+}
+WORDS = "the a cat dog sat on mat happy sad good bad house river tree bird sun moon ran saw big small".split()
+
+
+@dataclass
+class Args:
+    model: str = "tiny"
+    """a size of the GPT-2 family (tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl: random weights, real GPT-2
+    vocabulary) or a local causal-LM directory"""
+    stage: Literal["policy", "reward", "both"] = "both"
+    """which training loop to measure"""
+    batch_size: int = 16
+    """global PPO batch (policy) and label batch (reward)"""
+    query_length: int = 64
+    """query tokens (the blog's code uses 24)"""
+    response_length: int = 24
+    """response tokens"""
+    updates: int = 3
+    """measured updates / steps (after one warm-up)"""
+    eval_labels: int = 256
+    """held-out labels evaluated once at the end of the reward stage"""
+    noptepochs: int = 4
+    """PPO epochs per update"""
+    peak_tflops: Optional[float] = None
+    """the device's peak in TFLOP/s for MFU; default: measured with a short fp32 matmul benchmark"""
+    extra: tuple[str, ...] = ()
+    """more flags for the training scripts, e.g. --extra --local-rollout-forward-batch-size --extra 8"""
+
+
+def measure_peak_tflops(device: torch.device) -> float:
+    """Best of a few square fp32 matmuls: a practical peak for this device and thread count."""
+    n = 4096 if device.type == "cuda" else 1024
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    best = 0.0
+    for _ in range(5):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = max(best, 10 * 2 * n**3 / (time.perf_counter() - start) / 1e12)
+    return best
+
+
+def make_assets(args: Args, root: Path) -> tuple[Path, Path, int, int, int]:
+    """(model dir, corpus file, parameters without embeddings, hidden size, vocabulary size)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    if args.model in SIZES:
+        from quickstart import prepare_gpt2_tokenizer
+
+        n_layer, n_embd, n_head = SIZES[args.model]
+        model = GPT2LMHeadModel(GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head))
+        model_dir = root / args.model
+        model.save_pretrained(model_dir)
+        AutoTokenizer.from_pretrained(prepare_gpt2_tokenizer(REPO / ".cache")).save_pretrained(model_dir)
+    else:
+        model_dir = Path(args.model)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    embedding = model.get_input_embeddings().weight
+    parameters = sum(p.numel() for p in model.parameters()) - embedding.numel()
+    corpus = root / "corpus.txt"
+    generator = torch.Generator().manual_seed(0)
+    lines = [" ".join(WORDS[i] for i in torch.randint(len(WORDS), (80,), generator=generator)) for _ in range(2000)]
+    corpus.write_text("\n".join(lines) + "\n")
+    return model_dir, corpus, parameters, model.config.hidden_size, embedding.shape[0]
+
+
+def random_labels(path: Path, n: int, args: Args, vocab_size: int) -> Path:
+    generator = torch.Generator().manual_seed(0)
+    tokens = lambda length: torch.randint(vocab_size, (length,), generator=generator).tolist()  # noqa: E731
+    records = [
+        {
+            "query": tokens(args.query_length),
+            "best": i % 4,
+            **{f"sample{j}": tokens(args.response_length) for j in range(4)},
+        }
+        for i in range(n)
+    ]
+    path.write_text(json.dumps(records))
+    return path
+
+
+def run(script: str, flags: list[str]) -> None:
+    env = {**os.environ, "ACCELERATE_USE_CPU": os.environ.get("ACCELERATE_USE_CPU", "false"), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, str(REPO / script), *flags], capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise SystemExit(f"{script} failed:\n{result.stderr[-3000:]}")
+
+
+def median(rows: list[dict], key: str) -> float:
+    return statistics.median(row[key] for row in rows)
+
+
+def main(args: Args) -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    peak = args.peak_tflops or measure_peak_tflops(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model_dir, corpus, n_params, d_model, vocab = make_assets(args, root)
+        common = ["--base-model", str(model_dir), "--task.query-dataset", str(corpus), "--overwrite",
+                  "--task.query-length", str(args.query_length), "--task.response-length", str(args.response_length),
+                  "--task.truncate-after", str(min(16, args.response_length - 1))]  # fmt: skip
+        steps = args.updates + 1
+        labels = random_labels(root / "labels.json", steps * args.batch_size + args.eval_labels, args, vocab - 1)
+        reward_flags = [*common, "--label-dataset", str(labels), "--output-dir", str(root / "reward"),
+                        "--labels.num-train", str(steps * args.batch_size), "--batch-size", str(args.batch_size),
+                        "--eval-batch-size", str(args.eval_labels), "--print-sample-output-freq", str(10**9),
+                        "--rollout-batch-size", str(args.batch_size), "--normalize-samples", str(args.batch_size),
+                        "--no-normalize-after"]  # fmt: skip
+        run("train_reward_accelerate.py", [*reward_flags, *args.extra] if args.stage != "policy" else reward_flags)
+        context = args.query_length + args.response_length
+        if args.stage in ("reward", "both"):
+            rows = [row for row in map(json.loads, (root / "reward" / "metrics.jsonl").open()) if "train/loss" in row]
+            step = median(rows[1:], "time/train_step")
+            flops = 6 * n_params * 4 * args.batch_size * context  # forward + backward of 4 samples per label
+            evaluation = rows[-1]["time/evaluation"]
+            print(json.dumps({
+                "stage": "reward", "model": args.model, "device": device.type, "batch_size": args.batch_size,
+                "seconds_per_step": step, "labels_per_second": args.batch_size / step,
+                "eval_seconds_per_label": evaluation / args.eval_labels, "mfu": flops / step / (peak * 1e12),
+                "peak_tflops": peak,
+            }))  # fmt: skip
+        if args.stage in ("policy", "both"):
+            policy_flags = [*common, "--rewards.trained-model", str(root / "reward" / "reward_model"),
+                            "--output-dir", str(root / "policy"), "--ppo.batch-size", str(args.batch_size),
+                            "--ppo.total-episodes", str(steps * args.batch_size), "--ppo.noptepochs",
+                            str(args.noptepochs), "--print-sample-output-freq", str(10**9), *args.extra]  # fmt: skip
+            run("train_policy_accelerate.py", policy_flags)
+            rows = [
+                row for row in map(json.loads, (root / "policy" / "metrics.jsonl").open()) if "time/generation" in row
+            ]
+            phases = {
+                key: median(rows[1:], key)
+                for key in rows[0]
+                if key.startswith("time/") and key != "time/peak_memory_gb"
+            }
+            update = sum(phases.values())
+            tokens = args.batch_size * args.response_length
+            # model FLOPs: trunk 2·N per token and forward, LM head 2·d·V per response token; backward = 2x forward
+            trunk, head = 2 * n_params * args.batch_size * context, 2 * d_model * vocab * tokens
+            train_flops = args.noptepochs * 3 * (trunk + head)
+            print(json.dumps({
+                "stage": "policy", "model": args.model, "device": device.type, "batch_size": args.batch_size,
+                "query_length": args.query_length, "response_length": args.response_length,
+                "seconds_per_update": update, "episodes_per_second": args.batch_size / update,
+                "tokens_per_second": tokens / update, "phases": phases,
+                "mfu_ppo_epochs": train_flops / phases["time/ppo_epochs"] / (peak * 1e12),
+                "mfu_update": (train_flops + 3 * trunk + 2 * head) / update / (peak * 1e12),
+                "peak_memory_gb": rows[-1]["time/peak_memory_gb"], "peak_tflops": peak,
+            }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,409 @@
+"""OpenAI's four tasks (SPEC §6): `--task.name` sets every per-task default in both scripts, explicit flags win, the
+summarization texts are cleaned like OpenAI's, the policy reads prefix ⊕ query ⊕ suffix while the reward model reads
+the bare query, label files of the summarization shape load, and a tiny tldr run goes end to end (offline)."""
+
+import ast
+import json
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+import tyro
+from conftest import REPO, read_jsonl, run_script, synthetic_sentences
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import train_policy_accelerate as P
+import train_reward_accelerate as R
+
+PAD = 50257  # GPT-2's [PAD]
+OPENAI_PAD = 50259
+NEWLINE = 198  # '\n' in GPT-2
+TL = 14990  # 'TL' in GPT-2: "\n\nTL;DR:" is [198, 198, 14990, 26, 7707, 25]
+TASKS = ("sentiment", "descriptiveness", "tldr", "cnndm")
+
+# SPEC §6, written out by hand (not read from the scripts' tables)
+BOOKS = dict(query_dataset="bookcorpus", query_dataset_config=None, query_field="text", query_length=64,
+             response_length=24, query_prefix="", query_suffix="", truncate_token=".", truncate_after=16,
+             temperature=0.7)  # fmt: skip
+SUMMARIZATION = dict(query_length=500, response_length=75, query_prefix="", query_suffix="\n\nTL;DR:",
+                     truncate_token="\n", truncate_after=55, temperature=0.7)  # fmt: skip
+SPEC_TASK = {
+    "sentiment": BOOKS,
+    "descriptiveness": BOOKS,
+    "tldr": dict(SUMMARIZATION, query_dataset="webis/tldr-17", query_dataset_config=None, query_field="content"),
+    "cnndm": dict(SUMMARIZATION, query_dataset="cnn_dailymail", query_dataset_config="3.0.0", query_field="article",
+                  query_prefix="Article:\n\n", temperature=0.5),
+}  # fmt: skip
+SPEC_REWARD = {  # label file, labels.num_train, batch_size, lr, rollout_batch_size
+    "sentiment": ("sentiment/offline_5k.json", 4992, 32, 5e-5, 512),
+    "descriptiveness": ("descriptiveness/offline_5k.json", 4992, 32, 5e-5, 512),
+    "tldr": ("tldr/online_45k.json", 46000, 16, 2.5e-5, 128),
+    "cnndm": ("cnndm/online_45k.json", 46000, 16, 2.5e-5, 128),
+}
+SPEC_PPO = {  # ppo.batch_size, ppo.lr, rewards.kl_coef, rewards.use_adaptive_kl, ppo.whiten_rewards
+    "sentiment": (512, 1e-5, 0.15, True, True),
+    "descriptiveness": (512, 1e-5, 0.15, True, True),
+    "tldr": (32, 2e-6, 0.03, False, False),
+    "cnndm": (32, 2e-6, 0.01, False, False),
+}
+
+
+def reward_args(*flags: str) -> R.Args:
+    return R.validate_args(tyro.cli(R.Args, args=list(flags)))
+
+
+def policy_args(*flags: str) -> P.Args:
+    return P.validate_args(tyro.cli(P.Args, args=["--rewards.trained-model", "x", *flags]))
+
+
+def one_line_error(failure: pytest.ExceptionInfo) -> str:
+    message = str(failure.value.code)
+    assert message.startswith("error: ") and "\n" not in message, message
+    return message
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# per-task defaults
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_task_defaults_resolve_as_in_spec_in_both_scripts(task, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    reward, policy = reward_args("--task.name", task), policy_args("--task.name", task)
+    for args in (reward, policy):
+        assert {key: getattr(args.task, key) for key in SPEC_TASK[task]} == SPEC_TASK[task]
+        assert args.task.start_text is None and args.task.end_text is None
+    label_dataset, num_train, batch_size, lr, rollout_batch_size = SPEC_REWARD[task]
+    assert (reward.label_dataset, reward.labels.num_train, reward.batch_size) == (label_dataset, num_train, batch_size)
+    assert (reward.lr, reward.rollout_batch_size, reward.labels.type) == (lr, rollout_batch_size, "best_of_4")
+    assert reward.num_updates == num_train // batch_size  # 156 (books) or 2875 (summarization) steps
+    batch_size, lr, kl_coef, adaptive, whiten = SPEC_PPO[task]
+    assert (policy.ppo.batch_size, policy.ppo.lr, policy.ppo.whiten_rewards) == (batch_size, lr, whiten)
+    assert (policy.rewards.kl_coef, policy.rewards.use_adaptive_kl) == (kl_coef, adaptive)
+    assert policy.ppo.total_episodes == 1_000_000 and policy.num_updates == -(-1_000_000 // batch_size)
+
+
+def test_the_default_task_is_sentiment_and_the_truncate_tokens_are_single_gpt2_tokens(monkeypatch, tokenizer):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert reward_args().task.name == policy_args().task.name == "sentiment"
+    assert tokenizer.encode(".") == [13] and tokenizer.encode("\n") == [NEWLINE]
+    assert tokenizer.encode("\n\nTL;DR:") == [NEWLINE, NEWLINE, TL, 26, 7707, 25]
+
+
+def test_explicit_flags_override_the_task_defaults(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    policy = policy_args("--task.name", "tldr", "--ppo.batch-size", "64", "--rewards.kl-coef", "0.05",
+                         "--rewards.use-adaptive-kl", "True", "--ppo.whiten-rewards", "True", "--task.query-length",
+                         "48", "--task.query-suffix", "", "--task.temperature", "1.0", "--task.truncate-token", ".")  # fmt: skip
+    assert (policy.ppo.batch_size, policy.rewards.kl_coef, policy.rewards.use_adaptive_kl) == (64, 0.05, True)
+    assert (policy.ppo.whiten_rewards, policy.task.query_length, policy.task.query_suffix) == (True, 48, "")
+    assert (policy.task.temperature, policy.task.truncate_token) == (1.0, ".")
+    assert (policy.ppo.lr, policy.task.response_length, policy.task.truncate_after) == (2e-6, 75, 55)  # the task's
+    assert policy.task.query_dataset == "webis/tldr-17"
+    reward = reward_args("--task.name", "cnndm", "--batch-size", "32", "--labels.num-train", "640", "--lr", "1e-4",
+                         "--task.query-prefix", "", "--task.query-dataset", "articles.jsonl",
+                         "--label-dataset", "mine.json")  # fmt: skip
+    assert (reward.batch_size, reward.labels.num_train, reward.lr, reward.num_updates) == (32, 640, 1e-4, 20)
+    assert (reward.task.query_prefix, reward.task.query_dataset) == ("", "articles.jsonl")
+    assert reward.label_dataset == "mine.json"
+    assert (reward.rollout_batch_size, reward.task.query_suffix, reward.task.temperature) == (128, "\n\nTL;DR:", 0.5)
+    assert reward.task.query_dataset_config == "3.0.0"
+
+
+def test_summarization_batches_are_checked_against_the_number_of_processes(monkeypatch):
+    """PPO batch 32 on 8 processes is 4 episodes each: fine without reward whitening (OAI's summarization setting),
+    but whitening it would use too few rows, and 32 episodes don't split over 3 processes."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert policy_args("--task.name", "tldr").local_batch_size == 4
+    with pytest.raises(SystemExit) as failure:
+        policy_args("--task.name", "tldr", "--ppo.whiten-rewards", "True")
+    assert "--ppo.whiten-rewards" in one_line_error(failure)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(SystemExit) as failure:
+        policy_args("--task.name", "cnndm")
+    assert "--ppo.batch-size" in one_line_error(failure)
+
+
+def field_docstrings(path) -> dict[str, str]:
+    """'Class.field' -> docstring of every dataclass field in a script."""
+    docs = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef):
+            for statement, following in zip(node.body, node.body[1:], strict=False):
+                if isinstance(statement, ast.AnnAssign) and isinstance(following, ast.Expr):
+                    docs[f"{node.name}.{statement.target.id}"] = " ".join(ast.literal_eval(following.value).split())
+    return docs
+
+
+def documented(value) -> str:
+    """How a default is written in a --help text: strings as repr ('\\n\\nTL;DR:'), floats short (2.5e-5)."""
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, float):
+        return f"{value:g}".replace("e-0", "e-")
+    return str(value)
+
+
+@pytest.mark.parametrize("module", [R, P], ids=["reward", "policy"])
+def test_help_of_every_task_dependent_flag_lists_each_tasks_default(module):
+    docs = field_docstrings(REPO / f"{module.__name__}.py")
+    classes = {"": "Args", "labels": "LabelHParams", "ppo": "PpoHParams", "rewards": "RewardHParams"}
+    script_table = R.REWARD_TASK_DEFAULTS if module is R else P.PPO_TASK_DEFAULTS
+    fields = {f"TaskHParams.{key}": [(t, module.TASK_DEFAULTS[t].get(key)) for t in TASKS] for key in BOOKS}
+    for path in script_table["tldr"]:
+        owner, _, name = path.rpartition(".")
+        fields[f"{classes[owner]}.{name}"] = [(t, script_table[t][path]) for t in TASKS]
+    assert len(fields) == 15  # 10 task fields, 5 of the script
+    for field, values in fields.items():
+        assert "per task" in docs[field], field
+        for task, value in values:
+            if value is not None:
+                assert documented(value) in docs[field], (field, task, value)
+
+
+def test_the_scripts_task_tables_match_the_spec():
+    for task in TASKS:
+        assert {k: R.TASK_DEFAULTS[task].get(k) for k in SPEC_TASK[task]} == SPEC_TASK[task]
+    assert R.TASK_DEFAULTS == P.TASK_DEFAULTS
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# query texts
+
+
+@pytest.mark.parametrize(
+    "article, expected",
+    [
+        ("LONDON, England (CNN) -- Harry Potter star Daniel Radcliffe turns 18.", "Harry Potter star Daniel Radcliffe turns 18."),
+        ("(CNN)Share prices fell on Monday.", "Share prices fell on Monday."),
+        ("By . Daily Mail Reporter . PUBLISHED: . 14:11 EST, 25 October 2013 . | . UPDATED: . 15:36 EST, 25 October "
+         "2013 . The bishop said \u2018no\u2019 to \u201cthem\u201d.", "The bishop said 'no' to \"them\"."),
+        ("By . Rebecca Evans . Last updated at 4:07 PM on 12th March 2012 . A woman was found.", "A woman was found."),
+        ("By . Associated Press . The man was arrested.", "The man was arrested."),
+        ("By\nDaily Mail Reporter\n\n\n\nUPDATED:\n 15:36 EST, 25 October 2013\n\n\nIt\u2019s a \u201cgreat\u201d day."
+         "\r\n\r\n\r\n\r\nSecond paragraph.\n\n@highlight\n\nBishop says no\n\n@highlight\n\nMore",
+         "It's a \"great\" day.\n\nSecond paragraph."),
+        ("By the time police arrived, he had fled.", "By the time police arrived, he had fled."),  # no byline
+        ("A first sentence long enough to push the dateline past the first one hundred characters of the text, "
+         "then (CNN) -- more.", "A first sentence long enough to push the dateline past the first one hundred "
+         "characters of the text, then (CNN) -- more."),  # only a dateline at the start is one
+        ("  Plain story.\n\n\n\nNext.  ", "Plain story.\n\nNext."),
+    ],
+    ids=["cnn-dateline", "cnn-no-dashes", "dm-published-updated", "dm-last-updated", "byline-only",
+         "story-file", "by-in-a-sentence", "late-cnn", "whitespace"],
+)  # fmt: skip
+def test_cnndm_clean_up_of_crafted_articles(article, expected):
+    assert R.clean_query_text(article, "cnndm") == expected
+
+
+def test_tldr_texts_are_normalized_and_book_texts_left_alone():
+    text = "  I (25F) said \u201chi\u201d.\r\n\r\n\r\nTL;DR he didn\u2019t  "
+    assert R.clean_query_text(text, "tldr") == 'I (25F) said "hi".\n\nTL;DR he didn\'t'
+    assert R.clean_query_text(text, "sentiment") == R.clean_query_text(text, "descriptiveness") == text
+    assert R.clean_query_text("(CNN) -- By . X . text", "tldr") == "(CNN) -- By . X . text"  # cnndm only
+
+
+@pytest.fixture(scope="module")
+def tokenizer(gpt2_tokenizer_dir):
+    return R.load_tokenizer(str(gpt2_tokenizer_dir), "--base-model")
+
+
+def test_contexts_put_prefix_and_suffix_around_the_bare_query_and_move_middle_pads_left(tokenizer):
+    """cnndm's formatting on queries of 8 tokens: OAI builds prefix ⊕ right-padded query ⊕ suffix (pads in the
+    middle); every row of ours is that row left-padded (SPEC §1), and the bare queries stay as the reward model's."""
+    task = R.TaskHParams(name="cnndm", query_length=8, query_prefix="Article:\n\n", query_suffix="\n\nTL;DR:")
+    texts = ["One two three four five six seven eight nine ten.", "Short one.", "Three words here"]
+    stream = R.QueryStream(texts, tokenizer, task, PAD, seed=0, chunk=3)
+    queries = stream.next_batch(3)  # (3, 8)
+    contexts = stream.format(queries)
+    prefix, suffix = tokenizer.encode("Article:\n\n"), tokenizer.encode("\n\nTL;DR:")
+    assert (len(prefix), len(suffix), contexts.shape) == (3, 6, (3, 3 + 8 + 6))
+    for query, context in zip(queries.tolist(), contexts.tolist(), strict=True):
+        bare = [t for t in query if t != PAD]
+        assert query == [PAD] * (8 - len(bare)) + bare  # left-padded bare query
+        openai_row = prefix + bare + [PAD] * (8 - len(bare)) + suffix  # OAI's layout: pads between query and suffix
+        assert context == [PAD] * (8 - len(bare)) + [t for t in openai_row if t != PAD]
+        assert context[-len(suffix) :] == suffix  # the last column is a real token
+    assert sorted(R.decode(tokenizer, queries)) == sorted(["One two three four five six seven eight", "Short one.",
+                                                           "Three words here"])  # fmt: skip
+    assert torch.equal(R.right_padding_to_left_padding(contexts, PAD), contexts)
+
+
+def test_books_contexts_equal_the_queries(tokenizer):
+    task = R.TaskHParams(query_length=6, query_prefix="", query_suffix="")
+    stream = R.QueryStream(["Hello world.", "usually, he would"], tokenizer, task, PAD, seed=0)
+    queries = stream.next_batch(2)
+    assert torch.equal(stream.format(queries), queries)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the reward model reads the bare query
+
+
+class RecordingReward(nn.Module):
+    """Stands in for the reward model: score 0, remembers every input."""
+
+    pad_id = PAD
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, query_responses: torch.Tensor) -> torch.Tensor:
+        self.seen.append(query_responses)
+        return torch.zeros(len(query_responses))
+
+
+def tiny_lm(seed: int) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    lm = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16)).eval()
+    P.disable_eos_stopping(lm)
+    return lm
+
+
+def summarization_stream(tokenizer, query_length: int) -> R.QueryStream:
+    task = R.TaskHParams(name="tldr", query_length=query_length, query_prefix="Article:\n\n",
+                         query_suffix="\n\nTL;DR:", response_length=4, truncate_after=1, temperature=0.7)  # fmt: skip
+    return R.QueryStream(synthetic_sentences(20, seed=0), tokenizer, task, PAD, seed=0)
+
+
+def test_policy_rollout_samples_from_the_contexts_and_scores_the_bare_queries(tokenizer):
+    stream = summarization_stream(tokenizer, query_length=6)
+    queries = stream.next_batch(3)
+    queries[1, :2] = PAD  # a shorter query
+    contexts = stream.format(queries)  # (3, 3 + 6 + 6)
+    args = P.Args(local_rollout_forward_batch_size=2)  # 2 chunks
+    args.task = P.TaskHParams(**{k: getattr(stream.task, k) for k in ("response_length", "truncate_after")},
+                              temperature=0.7, penalty_reward_value=-1.0)  # fmt: skip
+    policy, ref_lm, reward = P.PolicyAndValueWrapper(tiny_lm(0)), tiny_lm(1), RecordingReward()
+    torch.manual_seed(0)
+    data = P.rollout(policy, ref_lm, reward, queries, contexts, NEWLINE, args)
+    seen = torch.cat(reward.seen)  # 2 chunks
+    assert len(reward.seen) == 2 and torch.equal(seen, torch.cat([queries, data["postprocessed_responses"]], 1))
+    query_responses = torch.cat([contexts, data["responses"]], 1)  # what both policies read
+    with torch.no_grad():
+        logits = P.lm_logits(policy.lm, query_responses, contexts.shape[1], PAD, 0.7)
+        ref_logits = P.lm_logits(ref_lm, query_responses, contexts.shape[1], PAD, 0.7)
+    torch.testing.assert_close(data["logprobs"], P.logprobs_from_logits(logits, data["responses"]))
+    torch.testing.assert_close(data["ref_logprobs"], P.logprobs_from_logits(ref_logits, data["responses"]))
+
+
+def test_reward_script_samples_from_the_contexts_and_scores_the_bare_queries(tokenizer, monkeypatch):
+    """Normalization (sample_and_score) and simulated labels: generation gets the contexts, the reward model and
+    the label records the bare queries (OAI's label files hold queries of query_length tokens, no prefix/suffix)."""
+    stream = summarization_stream(tokenizer, query_length=6)
+    generated = []
+
+    def fake_generate(lm, contexts, pad_id, response_length, temperature):
+        generated.append(contexts)
+        return torch.full((len(contexts), response_length), NEWLINE)
+
+    monkeypatch.setattr(R, "generate_responses", fake_generate)
+    labels = R.LabelHParams(source="sentiment", num_train=3, simulated_num_test=1)
+    args = R.Args(local_rollout_forward_batch_size=16, labels=labels)  # one chunk each
+    args.task, args.world_size = stream.task, 1
+    ref_lm, reward = types.SimpleNamespace(device=torch.device("cpu")), RecordingReward()
+    queries, responses, _ = R.sample_and_score(ref_lm, reward, stream, 4, args)
+    assert queries.shape == (4, 6) and torch.equal(generated[0], stream.format(queries))
+    assert torch.equal(reward.seen[0], torch.cat([queries, responses], 1))
+    accelerator = types.SimpleNamespace(is_main_process=True)
+    monkeypatch.setattr(R, "gather_object", lambda records: records)
+    records = R.simulate_labels(accelerator, ref_lm, stream, tokenizer, PAD, NEWLINE, args)
+    assert len(records) == 4 and all(len(r["query"]) == 6 for r in records)
+    bare = torch.tensor([r["query"] for r in records])  # right-padded with OAI's pad, like OAI's files
+    bare = R.right_padding_to_left_padding(torch.where(bare == OPENAI_PAD, PAD, bare), PAD)
+    assert torch.equal(generated[1][::4], stream.format(bare)) and generated[1].shape == (16, 3 + 6 + 6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# label files
+
+
+def summarization_record(seed: int, query_length: int = 500, response_length: int = 75) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randint(0, 50257, (query_length - 7,), generator=generator).tolist() + [OPENAI_PAD] * 7
+    samples = {
+        f"sample{i}": torch.randint(0, 50257, (response_length,), generator=generator).tolist() for i in range(4)
+    }
+    return {"query": query, **samples, "best": seed % 4}
+
+
+def test_summarization_label_files_load_with_the_tasks_lengths(tmp_path, tokenizer, monkeypatch):
+    """OAI's tldr/cnndm online_45k.json are best-of-4 records with 500-token queries (bare) and 75-token samples."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    path = tmp_path / "online_45k.json"
+    path.write_text(json.dumps([summarization_record(i) for i in range(6)]))
+    args = reward_args("--task.name", "tldr", "--labels.num-train", "4", "--batch-size", "2")
+    labels = R.load_labels(str(path), tokenizer, PAD, args)
+    assert labels["queries"].shape == (6, 500) and labels["samples"].shape == (6, 4, 75)
+    assert labels["queries"][:, :7].eq(PAD).all() and not labels["queries"].eq(OPENAI_PAD).any()  # remapped, left
+    books = reward_args("--labels.num-train", "4", "--batch-size", "2")  # sentiment: 64-token queries
+    with pytest.raises(SystemExit) as failure:
+        R.load_labels(str(path), tokenizer, PAD, books)
+    assert "list of 64 token ids" in one_line_error(failure)
+
+
+@pytest.mark.parametrize(
+    "record, kind",
+    [
+        ({"query": [1] * 8, "sample0": [2] * 4, "sample1": [3] * 4, "choice": 1}, "pairwise"),
+        ({"query": [1] * 8, "sample0": [2] * 4, "sample1": [3] * 4, "difference": 0.5}, "scalar_compare"),
+        ({"query": [1] * 8, "sample": [2] * 4, "score": 0.5}, "scalar_rating"),
+        ({"query": [1] * 8, "sample0": [2] * 4, "sample1": [3] * 4, "best": 1}, "best_of_2"),
+    ],
+    ids=["pairwise-choice", "scalar-compare", "scalar-rating", "best-of-2"],
+)
+def test_unsupported_label_types_are_a_one_line_error(tmp_path, tokenizer, record, kind):
+    path = tmp_path / "labels.json"
+    path.write_text(json.dumps([record] * 3))
+    args = R.Args(
+        batch_size=1, labels=R.LabelHParams(num_train=2), task=R.TaskHParams(query_length=8, response_length=4)
+    )
+    with pytest.raises(SystemExit) as failure:
+        R.load_labels(str(path), tokenizer, PAD, args)
+    message = one_line_error(failure)
+    assert f"label type {kind} not supported" in message and "record 0" in message and str(path) in message
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# end to end: tldr on synthetic local data (reward model with simulated labels, then PPO)
+
+
+def test_tiny_tldr_run_end_to_end(tiny_assets, tmp_path):
+    """~70 s on 2 cores. Only the lengths, the data and the model are not tldr's (the tiny model never writes the
+    truncate token '\n', so every score is the penalty: the run checks plumbing, not learning)."""
+    posts = tmp_path / "posts.jsonl"
+    lines = synthetic_sentences(200, seed=3)
+    posts.write_text("".join(json.dumps({"content": f"{a}\n\n\n{b}", "summary": "x"}) + "\n"
+                             for a, b in zip(lines[::2], lines[1::2], strict=True)))  # fmt: skip
+    task_flags = ["--task.name", "tldr", "--task.query-dataset", str(posts), "--task.query-length", "48",
+                  "--task.response-length", "16", "--task.truncate-after", "8", "--base-model", str(tiny_assets["model"])]  # fmt: skip
+    reward_dir = tmp_path / "reward"
+    result = run_script("train_reward_accelerate.py", *task_flags, "--labels.source", "sentiment",
+                        "--labels.num-train", "32", "--labels.simulated-num-test", "16", "--rollout-batch-size", "16",
+                        "--normalize-samples", "16", "--no-normalize-before", "--output-dir", str(reward_dir))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    args = json.loads((reward_dir / "args.json").read_text())
+    task_args = (args["task"]["query_suffix"], args["task"]["truncate_token"], args["task"]["temperature"])
+    assert task_args == ("\n\nTL;DR:", "\n", 0.7)
+    assert (args["batch_size"], args["lr"], args["num_updates"]) == (16, 2.5e-5, 2)
+    records = json.loads((reward_dir / "labels.json").read_text())
+    assert len(records) == 48 and all(len(r["query"]) == 48 and TL not in r["query"] for r in records)  # bare
+    rows = read_jsonl(reward_dir / "metrics.jsonl")
+    assert any("test/accuracy" in row for row in rows) and any("normalization/after/std" in row for row in rows)
+
+    policy_dir = tmp_path / "policy"
+    result = run_script("train_policy_accelerate.py", *task_flags, "--rewards.trained-model",
+                        str(reward_dir / "reward_model"), "--ppo.batch-size", "16", "--ppo.total-episodes", "32",
+                        "--print-sample-output-freq", "1", "--output-dir", str(policy_dir))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    args = json.loads((policy_dir / "args.json").read_text())
+    ppo_args = (args["ppo"]["lr"], args["ppo"]["whiten_rewards"], args["rewards"]["use_adaptive_kl"])
+    assert ppo_args == (2e-6, False, False) and args["task"]["query_suffix"] == "\n\nTL;DR:"
+    updates = [row for row in read_jsonl(policy_dir / "metrics.jsonl") if "objective/kl_coef" in row]
+    assert [row["update"] for row in updates] == [1, 2]
+    assert all(row["objective/kl_coef"] == 0.03 for row in updates)  # fixed, tldr's
+    samples = read_jsonl(policy_dir / "samples.jsonl")
+    assert samples and all("TL;DR" not in sample["query"] for sample in samples)  # the bare query is logged
+    assert (policy_dir / "policy").is_dir()

@@ -1,0 +1,24 @@
+"""benchmark/throughput.py runs the real training loops on a random-weight model and reports one JSON line each."""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def test_throughput_harness_reports_both_stages(gpt2_tokenizer_dir):
+    command = [sys.executable, str(REPO / "benchmark" / "throughput.py"), "--model", "tiny", "--batch-size", "8",
+               "--query-length", "16", "--response-length", "12", "--updates", "1", "--eval-labels", "32",
+               "--noptepochs", "2"]  # fmt: skip
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reward, policy = (json.loads(line) for line in result.stdout.strip().splitlines()[-2:])
+    assert reward["stage"] == "reward" and reward["seconds_per_step"] > 0 and 0 < reward["mfu"] < 1
+    assert reward["eval_seconds_per_label"] > 0
+    assert policy["stage"] == "policy" and policy["tokens_per_second"] > 0
+    assert set(policy["phases"]) == {"time/generation", "time/logprobs", "time/scoring", "time/ppo_epochs"}
+    assert abs(sum(policy["phases"].values()) - policy["seconds_per_update"]) < 1e-6
+    assert 0 < policy["mfu_ppo_epochs"] < 1 and policy["peak_memory_gb"] > 0
