@@ -553,9 +553,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dry-run", action="store_true", help="print the two training commands, let both scripts "
                      "validate their flags, and stop")  # fmt: skip
     task = parser.add_argument_group("task (OpenAI: 64-token queries, 24-token responses, cut after 16)")
-    task.add_argument("--query-length", type=int, default=16, help="tokens per query")
-    task.add_argument("--response-length", type=int, default=16, help="tokens sampled per response")
-    task.add_argument("--truncate-after", type=int, default=8, help="a response is cut after its first '.' at "
+    task.add_argument("--query-length", type=int, default=8, help="tokens per query")
+    task.add_argument("--response-length", type=int, default=24, help="tokens sampled per response")
+    task.add_argument("--truncate-after", type=int, default=6, help="a response is cut after its first '.' at "
                       "index >= this; one without such a '.' scores -1")  # fmt: skip
     reward = parser.add_argument_group("reward model (OpenAI: 4992 labels, batch 32, lr 5e-5)")
     reward.add_argument("--labels", type=int, default=96, help="best-of-4 labels to train on")
@@ -633,7 +633,7 @@ def reward_command(args: argparse.Namespace, base_model: Path, queries: Path, ou
         "--lr", str(args.reward_lr),
         "--rollout-batch-size", str(args.normalize_samples),
         "--normalize-samples", str(args.normalize_samples),
-        "--eval-batch-size", str(args.reward_batch_size),
+        "--eval-batch-size", "32",  # label records per no-grad forward (memory knob)
         "--print-sample-output-freq", str(steps),  # test/accuracy once, at the end
         *shlex.split(args.reward_args),
     ]  # fmt: skip

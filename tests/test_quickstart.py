@@ -133,7 +133,7 @@ def test_prepare_output_dir_refuses_a_previous_run_and_overwrite_removes_only_it
 
 @pytest.mark.parametrize(
     "flags",
-    [["--truncate-after", "16"], ["--labels", "4"], ["--updates", "0"], ["--test-labels", "2"]],
+    [["--truncate-after", "24"], ["--labels", "4"], ["--updates", "0"], ["--test-labels", "2"]],
 )
 def test_inconsistent_sizes_fail_before_any_work(flags, capsys):
     with pytest.raises(SystemExit) as failure:
