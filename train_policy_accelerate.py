@@ -22,8 +22,10 @@ import ctypes
 import json
 import math
 import os
+import random
 import re
 import shutil
+import signal
 import socket
 import time
 from dataclasses import asdict, dataclass, field
@@ -156,7 +158,15 @@ class Args:
     output_dir: Optional[str] = None
     """where args.json, metrics.jsonl, samples.jsonl and policy/ go (default: runs/<run_name>)"""
     overwrite: bool = False
-    """allow writing into an output directory that already holds a finished run"""
+    """start again in an output directory that holds a previous run (its metrics, samples and checkpoints go)"""
+    resume: bool = False
+    """continue the run in --output-dir from its newest checkpoint (from scratch if it has none; at once done if it
+    finished); every flag that changes the math must be as before"""
+    checkpoint_every: int = 0
+    """write a checkpoint (model, optimizer, KL controller, RNG states, data position, logs) every this many updates
+    into --output-dir/checkpoints (0: only when stopped by SIGTERM)"""
+    checkpoint_keep: int = 2
+    """keep the newest this many checkpoints"""
     dry_run: bool = False
     """validate every flag, print the derived sizes and exit before loading any model or data"""
     base_model: str = "gpt2"
@@ -189,6 +199,27 @@ class Args:
 
 
 GLIBC_M_TRIM_THRESHOLD, GLIBC_M_MMAP_THRESHOLD = -1, -3  # mallopt() parameter numbers from glibc's malloc.h
+RUN_LOGS = ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl")  # copied into each checkpoint
+RESUME_MAY_CHANGE = {
+    "resume",
+    "overwrite",
+    "run_name",
+    "checkpoint_every",
+    "checkpoint_keep",
+    "track",
+    "dry_run",
+    "wandb_project_name",
+    "wandb_entity",
+    "upload_model",
+    "hf_repo_id",
+    "world_size",
+    "local_batch_size",
+    "local_mini_batch_size",
+    "micro_batch_size",
+    "local_rollout_batch_size",
+    "local_eval_batch_size",
+}  # fmt: skip (per-process sizes: checked against the checkpoint instead)
+EXIT_STOPPED = 143  # 128 + SIGTERM: stopped on request after writing a checkpoint (a requeued job resumes from it)
 RANK_SEED_STRIDE = 100003  # process i samples with seed + i * RANK_SEED_STRIDE (a prime, so streams never collide)
 KL_ERROR_CLIP = 0.2  # OAI AdaptiveKLController clips the proportional error to +-0.2
 MIN_WHITEN_ROWS = 8  # whitening statistics over fewer rows per process-minibatch are too noisy (OAI asserts it)
@@ -548,6 +579,13 @@ class QueryStream:
         batch, self.buffer = self.buffer[:n], self.buffer[n:]
         return right_padding_to_left_padding(torch.tensor(batch), self.pad_id)
 
+    def state(self) -> dict:
+        return dict(epoch=self.epoch, position=self.position, produced=self.produced_in_epoch, buffer=self.buffer)
+
+    def load_state(self, state: dict) -> None:
+        self.epoch, self.position, self.produced_in_epoch = state["epoch"], state["position"], state["produced"]
+        self.buffer, self.order = [list(query) for query in state["buffer"]], self._epoch_order()
+
     def format(self, queries: torch.Tensor) -> torch.Tensor:
         """The policy's contexts prefix ⊕ query ⊕ suffix (OAI's query_formatter): (B, prefix + query_length + suffix),
         left-padded again, which moves the query's pads (now between prefix and query) to the front. OAI's reward
@@ -628,11 +666,19 @@ def decode(tokenizer, tokens: torch.Tensor) -> list[str]:
     return tokenizer.batch_decode(tokens, skip_special_tokens=True)
 
 
-def prepare_output_dir(output_dir: str, finished_marker: str, overwrite: bool) -> Path:
-    """Create the output directory, refusing to touch a finished run, and check it is writable now, not later."""
+def prepare_output_dir(output_dir: str, finished_marker: str, overwrite: bool, resume: bool) -> Path:
+    """Create the output directory, refusing to touch a previous run unless told how (--resume or --overwrite), and
+    check it is writable now, not after hours of training."""
     path = Path(output_dir)
-    if (path / finished_marker).exists() and not overwrite:
-        fail(f"--output-dir {output_dir!r} already holds a finished run; pass --overwrite or another --output-dir")
+    finished = (path / finished_marker).exists()
+    if not (overwrite or resume) and (
+        finished or any((path / name).exists() for name in ("metrics.jsonl", "checkpoints"))
+    ):
+        what = "a finished run" if finished else "an unfinished run"
+        fail(
+            f"--output-dir {output_dir!r} already holds {what}; pass --resume to continue it, --overwrite to start "
+            "again, or another --output-dir"
+        )
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write-test-{os.getpid()}"
@@ -641,6 +687,17 @@ def prepare_output_dir(output_dir: str, finished_marker: str, overwrite: bool) -
     except OSError as error:
         fail(f"--output-dir {output_dir!r} is not writable ({error.strerror})")
     return path
+
+
+def check_resume_args(output_dir: Path, args) -> None:
+    """--resume continues the same run: every flag that changes the math must equal the first attempt's."""
+    saved_path = output_dir / "args.json"
+    if not saved_path.is_file():
+        return  # the first attempt died before writing anything: resuming starts from scratch
+    saved, current = json.loads(saved_path.read_text()), json.loads(json.dumps(asdict(args)))
+    changed = sorted(key for key in current if key not in RESUME_MAY_CHANGE and saved.get(key) != current[key])
+    if changed:
+        fail(f"--resume: {', '.join('--' + key.replace('_', '-') for key in changed)} differ from {saved_path}")
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -693,7 +750,7 @@ class RunLogger:
         self.enabled, self.console, self.wandb = accelerator.is_main_process, Console(), None
         if not self.enabled:
             return
-        self.file = open(output_dir / "metrics.jsonl", "a")
+        self.file = open(output_dir / "metrics.jsonl", "a")  # fresh runs start without one (start_run_files)
         if track:
             import wandb
 
@@ -722,6 +779,103 @@ class RunLogger:
             self.file.close()
             if self.wandb is not None:
                 self.wandb.finish()
+
+
+class StopSignal:
+    """SIGTERM (Slurm preemption or requeue, `scancel`, torchrun stopping its workers) only sets a flag; the training
+    loop checks it once per step, in the step's one reduction so every process agrees, writes a checkpoint and exits
+    with EXIT_STOPPED. A second SIGTERM is ignored too; SIGKILL is not catchable (the last checkpoint remains)."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGTERM, self.handle)
+
+    def handle(self, signum, frame) -> None:
+        self.requested = True
+
+
+def rng_states() -> dict:
+    """Every random number generator a process draws from (sampling, PPO minibatch order, dropout if any)."""
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def checkpoint_dirs(output_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first: a checkpoint is written under a temporary name and renamed when complete,
+    so a process killed mid-write leaves only a hidden temporary directory, never a checkpoint that looks complete."""
+    return sorted((output_dir / "checkpoints").glob("step-*"))
+
+
+def start_run_files(accelerator: Accelerator, output_dir: Path, resume: bool) -> Optional[Path]:
+    """The newest complete checkpoint when resuming (None: start from scratch). The run's logs are put back to what
+    they were at that checkpoint, dropping rows the killed process wrote after it, so metrics.jsonl ends up with
+    exactly one row per step. A fresh start (or --resume with no checkpoint) removes the logs of any earlier attempt."""
+    checkpoint = (checkpoint_dirs(output_dir) or [None])[-1] if resume else None
+    if accelerator.is_main_process:
+        for stale in (output_dir / "checkpoints").glob(".step-*"):
+            shutil.rmtree(stale)  # temporaries of a process killed while writing a checkpoint
+        if checkpoint is None:
+            shutil.rmtree(output_dir / "checkpoints", ignore_errors=True)
+        for name in RUN_LOGS:
+            if checkpoint is not None and (checkpoint / name).exists():
+                shutil.copyfile(checkpoint / name, output_dir / name)
+            else:
+                (output_dir / name).unlink(missing_ok=True)
+    accelerator.wait_for_everyone()
+    return checkpoint
+
+
+def save_checkpoint(accelerator, output_dir: Path, step: int, keep: int, model, optimizer, state: dict, process_state):
+    """checkpoints/step-N: all that continuing exactly after step N needs — the model, the optimizer (moments, step
+    counts), `state` (counters, KL controller, elapsed time), every process's `process_state` (RNG states, query
+    stream position) and copies of the run's logs. Written by process 0 into a temporary directory, then renamed;
+    only the newest `keep` are kept."""
+    process_states = gather_object([process_state])  # one per process, in process order
+    path = output_dir / "checkpoints" / f"step-{step:08d}"
+    if accelerator.is_main_process:
+
+        def write(directory: Path) -> None:
+            torch.save(accelerator.unwrap_model(model).state_dict(), directory / "model.pt")
+            torch.save(optimizer.state_dict(), directory / "optimizer.pt")
+            torch.save(process_states, directory / "processes.pt")
+            for name in RUN_LOGS:
+                if (output_dir / name).exists():
+                    shutil.copyfile(output_dir / name, directory / name)
+            state_json = dict(step=step, world_size=accelerator.num_processes, **state)
+            (directory / "state.json").write_text(json.dumps(state_json, indent=2))
+
+        path.parent.mkdir(exist_ok=True)
+        save_directory_atomic(path, write)
+        for old in checkpoint_dirs(output_dir)[:-keep]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return path
+
+
+def load_checkpoint(accelerator, checkpoint: Path, model, optimizer) -> tuple[dict, dict]:
+    """Restore the model and optimizer of `checkpoint`; returns (state, this process's process_state)."""
+    state = json.loads((checkpoint / "state.json").read_text())
+    if state["world_size"] != accelerator.num_processes:
+        fail(
+            f"--resume: {checkpoint} was written by {state['world_size']} processes, this run has "
+            f"{accelerator.num_processes}; resume with the same number"
+        )
+    device = accelerator.device
+    accelerator.unwrap_model(model).load_state_dict(torch.load(checkpoint / "model.pt", map_location=device))
+    optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", map_location=device))
+    # our own file: holds Python / NumPy RNG states, which need the full unpickler
+    process_state = torch.load(checkpoint / "processes.pt", weights_only=False)[accelerator.process_index]
+    return state, process_state
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -753,6 +907,12 @@ def validate_args(args: Args) -> Args:
     if args.rewards.trained_model is None:
         fail("--rewards.trained-model is required: the reward_model/ directory written by train_reward_accelerate.py")
     args.num_updates = math.ceil(ppo.total_episodes / ppo.batch_size)
+    if args.checkpoint_every < 0 or args.checkpoint_keep < 1:
+        fail("--checkpoint-every must be >= 0 and --checkpoint-keep >= 1")
+    if args.resume and args.overwrite:
+        fail("--resume continues the run in --output-dir and --overwrite starts it again: pass one of them")
+    if args.resume and args.output_dir is None:
+        fail("--resume needs the --output-dir of the run to continue")
     args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
     args.output_dir = args.output_dir or os.path.join("runs", args.run_name)
     return args
@@ -998,8 +1158,10 @@ def check_finite(row: dict, ppo_stats: torch.Tensor, update: int, args: Args, ra
         where = (
             f", first in PPO epoch {index // per_epoch}, minibatch {minibatch}, micro-batch {micro} on process {rank}"
         )
+    good = checkpoint_dirs(Path(args.output_dir))
     fail(
-        f"non-finite {', '.join(bad)} at update {update}{where}; stopped before saving, {args.output_dir}/policy not written"
+        f"non-finite {', '.join(bad)} at update {update}{where}; stopped before saving: policy/ not written, last good "
+        f"checkpoint: {good[-1] if good else 'none'}"
     )
 
 
@@ -1029,13 +1191,20 @@ def main(args: Args) -> None:
         fail(f"--task.truncate-token {args.task.truncate_token!r} is {len(truncate_token_ids)} tokens, not 1")
     truncate_token_id = truncate_token_ids[0]
     check_reward_model(args.rewards.trained_model, tokenizer)
-    output_dir = prepare_output_dir(args.output_dir, "policy", args.overwrite)
+    output_dir = prepare_output_dir(args.output_dir, "policy", args.overwrite, args.resume)
+    if args.resume and (output_dir / "policy").is_dir():
+        print(f"--resume: {output_dir} holds a finished run (policy/ exists); nothing to do")
+        return
+    if args.resume:
+        check_resume_args(output_dir, args)
+    stop = StopSignal()
     accelerator = Accelerator(gradient_accumulation_steps=args.ppo.gradient_accumulation_steps)
     device = accelerator.device
     if device.type == "cpu":
         reuse_freed_host_memory()
+    checkpoint = start_run_files(accelerator, output_dir, args.resume)
     logger = RunLogger(accelerator, output_dir, args, args.track)
-    if accelerator.is_main_process:
+    if accelerator.is_main_process and checkpoint is None:  # a resumed run keeps its first attempt's args.json
         write_text_atomic(output_dir / "args.json", json.dumps(asdict(args), indent=2))
     torch.manual_seed(args.seed)
     policy = PolicyAndValueWrapper(load_pretrained(AutoModelForCausalLM, args.base_model, "--base-model"))
@@ -1092,8 +1261,22 @@ def main(args: Args) -> None:
             logger.console.print(f"update {update}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         return metrics
 
-    initial_eval = run_eval(0) if eval_queries is not None else {}
-    for update in track(range(1, args.num_updates + 1), "PPO", disable=not accelerator.is_main_process):
+    start_update, initial_eval, row = 1, {}, {}
+    if checkpoint is not None:  # continue exactly where the checkpoint left off
+        state, process_state = load_checkpoint(accelerator, checkpoint, policy, optimizer)
+        start_update, initial_eval, row, kl_ctl.value = (
+            state["step"] + 1,
+            state["initial_eval"],
+            state["row"],
+            state["kl_coef"],
+        )
+        start_time -= state["elapsed"]
+        stream.load_state(process_state["stream"])
+        set_rng_states(process_state["rng"])
+        logger.console.print(f"resumed from {checkpoint} at update {start_update}")
+    elif eval_queries is not None:
+        initial_eval = run_eval(0)
+    for update in track(range(start_update, args.num_updates + 1), "PPO", disable=not accelerator.is_main_process):
         lr = linear_lr(ppo.lr, update - 1, args.num_updates)  # per update, constant within it
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -1146,10 +1329,11 @@ def main(args: Args) -> None:
             "ppo/val/var": values.var(unbiased=False),
         }
         local = torch.cat([torch.stack(list(rollout_stats.values())), torch.stack(ppo_stats).mean(0)])
-        local = torch.cat([local, torch.tensor([kl_coef], device=device)])
+        local = torch.cat([local, torch.tensor([kl_coef, stop.requested], device=device)])
         gathered = accelerator.gather(local[None])  # (processes, metrics): one collective for every metric
-        row = dict(zip([*rollout_stats, *stats], gathered[:, :-1].mean(0).tolist(), strict=True))
-        row["sync/kl_coef_spread"] = (gathered[:, -1].max() - gathered[:, -1].min()).item()  # 0: all in step
+        row = dict(zip([*rollout_stats, *stats], gathered[:, :-2].mean(0).tolist(), strict=True))
+        row["sync/kl_coef_spread"] = (gathered[:, -2].max() - gathered[:, -2].min()).item()  # 0: all in step
+        stop_now = gathered[:, -1].max().item() > 0  # SIGTERM on any process: all stop after this update
         check_finite(row, torch.stack(ppo_stats), update, args, accelerator.process_index)
         # detail: adaptive KL from the KL averaged over all processes (the blog's code used one process's KL)
         kl_ctl.update(row["objective/kl"], ppo.batch_size)
@@ -1189,6 +1373,17 @@ def main(args: Args) -> None:
                 f"kl_coef {kl_coef:.4f} approxkl {row['ppo/policy/approxkl']:.4f} {row['elapsed/fps']:.0f} tokens/s"
             )
         logger.log({"update": update, "episode": update * ppo.batch_size, **row}, update)
+        # 8. checkpoint
+        if stop_now or (args.checkpoint_every and update % args.checkpoint_every == 0):
+            state = dict(kl_coef=kl_ctl.value, initial_eval=initial_eval, row=row, elapsed=time.time() - start_time)
+            process_state = dict(rng=rng_states(), stream=stream.state())
+            path = save_checkpoint(
+                accelerator, output_dir, update, args.checkpoint_keep, policy, optimizer, state, process_state
+            )
+            if stop_now:
+                logger.console.print(f"stopped by SIGTERM after update {update}: wrote {path}; continue with --resume")
+                logger.close()
+                raise SystemExit(EXIT_STOPPED)
     if initial_eval:
         final = row
         logger.console.print(
@@ -1198,7 +1393,7 @@ def main(args: Args) -> None:
     logger.log(
         {"update": args.num_updates, "sync/param_spread": parameter_spread(accelerator, policy)}, args.num_updates
     )
-    # 8. save
+    # 9. save
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         unwrapped.lm.generation_config.eos_token_id = (

@@ -1,0 +1,269 @@
+"""Checkpoints and exact resume (both scripts), SIGTERM, and what happens when a process of a distributed run dies.
+
+Fault injection: a run is killed at a random point after its first checkpoint (SIGKILL to the whole process group, as
+a node failure or `scancel` would; or SIGTERM, as Slurm preemption does), then continued with `--resume`. The finished
+run must equal an uninterrupted run with the same seed bit for bit: the same final parameters and the same
+metrics.jsonl (one row per step; only the wall-clock `elapsed/*` and `time/*` columns may differ).
+"""
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, read_jsonl, run_script
+from safetensors.torch import load_file
+
+REWARD = "train_reward_accelerate.py"
+POLICY = "train_policy_accelerate.py"
+KILL_SEED = int(os.environ.get("RESUME_TEST_SEED", "0"))  # the random kill points are reproducible
+
+
+def environment(nproc: int) -> dict:
+    return {**os.environ, "ACCELERATE_USE_CPU": "true", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
+            "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2")}  # fmt: skip
+
+
+def command(script: str, flags: list[str], nproc: int) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, str(REPO / script), *flags]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            str(REPO / script), *flags]  # fmt: skip
+
+
+def reward_flags(assets, output_dir, *extra):
+    return ["--base-model", str(assets["model"]), "--label-dataset", str(assets["labels"]),
+            "--task.query-dataset", str(assets["corpus"]), "--output-dir", str(output_dir),
+            "--labels.num-train", "64", "--batch-size", "8", "--lr", "3e-3", "--rollout-batch-size", "16",
+            "--normalize-samples", "16", "--print-sample-output-freq", "3", "--checkpoint-every", "2", *extra]  # fmt: skip
+
+
+def policy_flags(assets, reward_model, output_dir, *extra):
+    return ["--base-model", str(assets["model"]), "--rewards.trained-model", str(reward_model),
+            "--task.query-dataset", str(assets["corpus"]), "--output-dir", str(output_dir),
+            "--task.query-length", "16", "--task.response-length", "8", "--task.truncate-after", "2",
+            "--ppo.batch-size", "16", "--ppo.total-episodes", "128", "--ppo.lr", "1e-3",
+            "--print-sample-output-freq", "3", "--checkpoint-every", "2", *extra]  # fmt: skip
+
+
+def without_timings(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith(("elapsed", "time"))} for row in rows]
+
+
+def checkpoints(output_dir: Path) -> list[str]:
+    return sorted(path.name for path in (output_dir / "checkpoints").glob("step-*"))
+
+
+def run_and_interrupt(script: str, flags: list[str], output_dir: Path, sig: int, delay: float, nproc: int = 1):
+    """Start a run, wait for its first checkpoint, wait `delay` seconds more, send `sig` to its whole process group;
+    returns the exit status and the output."""
+    process = subprocess.Popen(command(script, flags, nproc), env=environment(nproc), cwd=REPO, start_new_session=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    deadline = time.time() + 300
+    while not checkpoints(output_dir) and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(delay)
+    if process.poll() is None:
+        os.killpg(process.pid, sig)
+    output, _ = process.communicate(timeout=120)
+    return process.returncode, output
+
+
+def assert_same_run(finished: Path, reference: Path, weights: str) -> None:
+    assert without_timings(read_jsonl(finished / "metrics.jsonl")) == without_timings(
+        read_jsonl(reference / "metrics.jsonl")
+    )
+    first, second = load_file(finished / weights), load_file(reference / weights)
+    assert first.keys() == second.keys() and all(torch.equal(first[key], second[key]) for key in first)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# reward model
+
+
+@pytest.fixture(scope="module")
+def reward_reference(tiny_assets, tmp_path_factory):
+    """An uninterrupted run: 8 steps, a checkpoint every 2, evaluation every 3."""
+    output_dir = tmp_path_factory.mktemp("reward-reference") / "run"
+    result = run_script(REWARD, *reward_flags(tiny_assets, output_dir))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return output_dir
+
+
+def test_reward_checkpoints_keep_the_newest_two_and_each_is_complete(reward_reference):
+    assert checkpoints(reward_reference) == ["step-00000006", "step-00000008"]
+    newest = reward_reference / "checkpoints" / "step-00000008"
+    assert {path.name for path in newest.iterdir()} == {
+        "model.pt", "optimizer.pt", "processes.pt", "state.json", "metrics.jsonl"
+    }  # fmt: skip
+    assert json.loads((newest / "state.json").read_text())["step"] == 8
+    assert read_jsonl(newest / "metrics.jsonl")[-1]["step"] == 8
+    assert not list((reward_reference / "checkpoints").glob(".*"))  # no temporaries left behind
+
+
+def test_reward_resume_after_sigkill_is_bit_identical(tiny_assets, reward_reference, tmp_path):
+    output_dir = tmp_path / "run"
+    delay = random.Random(KILL_SEED).uniform(0, 4)
+    returncode, output = run_and_interrupt(
+        REWARD, reward_flags(tiny_assets, output_dir), output_dir, signal.SIGKILL, delay
+    )
+    assert returncode == -signal.SIGKILL, output[-3000:]  # really killed, not finished
+    assert not (output_dir / "reward_model").exists()
+    result = run_script(REWARD, *reward_flags(tiny_assets, output_dir, "--resume"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout
+    assert_same_run(output_dir, reward_reference, "reward_model/model.safetensors")
+    assert_same_run(output_dir, reward_reference, "reward_model/reward_head.safetensors")
+
+
+def test_reward_sigterm_writes_a_checkpoint_and_exits_143_then_resumes_identically(
+    tiny_assets, reward_reference, tmp_path
+):
+    output_dir = tmp_path / "run"
+    returncode, output = run_and_interrupt(REWARD, reward_flags(tiny_assets, output_dir), output_dir, signal.SIGTERM, 0)
+    assert returncode == 143, output[-3000:]
+    assert "stopped by SIGTERM" in output
+    stopped_at = json.loads((output_dir / "checkpoints" / checkpoints(output_dir)[-1] / "state.json").read_text())[
+        "step"
+    ]
+    assert read_jsonl(output_dir / "metrics.jsonl")[-1]["step"] == stopped_at < 8
+    result = run_script(REWARD, *reward_flags(tiny_assets, output_dir, "--resume"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_run(output_dir, reward_reference, "reward_model/reward_head.safetensors")
+
+
+def test_resuming_a_finished_run_returns_at_once_and_changes_nothing(tiny_assets, reward_reference):
+    before = (reward_reference / "metrics.jsonl").read_text()
+    start = time.time()
+    result = run_script(REWARD, *reward_flags(tiny_assets, reward_reference, "--resume"))
+    assert result.returncode == 0 and "nothing to do" in result.stdout
+    assert time.time() - start < 60 and (reward_reference / "metrics.jsonl").read_text() == before
+
+
+def test_an_unfinished_run_is_neither_appended_to_nor_resumed_with_other_flags(tiny_assets, tmp_path):
+    output_dir = tmp_path / "run"
+    output_dir.mkdir()
+    (output_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (output_dir / "args.json").write_text(json.dumps({"lr": 1.0}))
+    result = run_script(REWARD, *reward_flags(tiny_assets, output_dir))
+    assert result.returncode != 0 and "--resume" in result.stderr and "unfinished run" in result.stderr
+    result = run_script(REWARD, *reward_flags(tiny_assets, output_dir, "--resume"))
+    assert result.returncode != 0 and "--lr" in result.stderr.strip().splitlines()[-1]
+    assert (output_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# policy
+
+
+@pytest.fixture(scope="module")
+def policy_reference(tiny_assets, reward_reference, tmp_path_factory):
+    """An uninterrupted run: 8 updates of 16 episodes, a checkpoint every 2."""
+    output_dir = tmp_path_factory.mktemp("policy-reference") / "run"
+    result = run_script(POLICY, *policy_flags(tiny_assets, reward_reference / "reward_model", output_dir))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return output_dir
+
+
+@pytest.mark.parametrize("kill_point", [0, 1])
+def test_policy_resume_after_sigkill_is_bit_identical(
+    tiny_assets, reward_reference, policy_reference, tmp_path, kill_point
+):
+    output_dir = tmp_path / "run"
+    flags = policy_flags(tiny_assets, reward_reference / "reward_model", output_dir)
+    delay = random.Random(f"{KILL_SEED}-{kill_point}").uniform(0, 5)
+    returncode, output = run_and_interrupt(POLICY, flags, output_dir, signal.SIGKILL, delay)
+    assert returncode == -signal.SIGKILL, output[-3000:]
+    result = run_script(POLICY, *flags, "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_run(output_dir, policy_reference, "policy/model.safetensors")
+    assert_same_run(output_dir, policy_reference, "policy/value_head.safetensors")
+    updates = [row["update"] for row in read_jsonl(output_dir / "metrics.jsonl") if "objective/scores" in row]
+    assert updates == list(range(1, 9))  # exactly one row per update
+    samples = [row["update"] for row in read_jsonl(output_dir / "samples.jsonl")]
+    assert samples == [row["update"] for row in read_jsonl(policy_reference / "samples.jsonl")]
+
+
+def test_policy_sigterm_checkpoints_and_resumes_identically(tiny_assets, reward_reference, policy_reference, tmp_path):
+    output_dir = tmp_path / "run"
+    flags = policy_flags(tiny_assets, reward_reference / "reward_model", output_dir)
+    returncode, output = run_and_interrupt(POLICY, flags, output_dir, signal.SIGTERM, 0)
+    assert returncode == 143 and "stopped by SIGTERM" in output, output[-3000:]
+    result = run_script(POLICY, *flags, "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_run(output_dir, policy_reference, "policy/model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def policy_reference_two_processes(tiny_assets, reward_reference, tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("policy-reference-2") / "run"
+    result = run_script(POLICY, *policy_flags(tiny_assets, reward_reference / "reward_model", output_dir), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return output_dir
+
+
+def test_policy_two_processes_resume_after_sigkill_is_bit_identical(
+    tiny_assets, reward_reference, policy_reference_two_processes, tmp_path
+):
+    output_dir = tmp_path / "run"
+    flags = policy_flags(tiny_assets, reward_reference / "reward_model", output_dir)
+    delay = random.Random(f"{KILL_SEED}-2").uniform(0, 5)
+    returncode, output = run_and_interrupt(POLICY, flags, output_dir, signal.SIGKILL, delay, nproc=2)
+    assert returncode == -signal.SIGKILL, output[-3000:]
+    # each process's RNG state and query-stream position are in the checkpoint
+    assert (
+        len(torch.load(output_dir / "checkpoints" / checkpoints(output_dir)[-1] / "processes.pt", weights_only=False))
+        == 2
+    )
+    result = run_script(POLICY, *flags, "--resume", nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_run(output_dir, policy_reference_two_processes, "policy/model.safetensors")
+    # a checkpoint of 2 processes cannot continue on 1 (per-process RNG streams): a clear error
+    (output_dir / "policy").rename(output_dir / "policy-finished")
+    result = run_script(POLICY, *flags, "--resume")
+    assert result.returncode != 0 and "written by 2 processes" in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# distributed failures
+
+
+def children(pid: int) -> list[int]:
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_when_one_of_two_processes_dies_the_other_exits_with_an_error_in_bounded_time(
+    tiny_assets, reward_reference, tmp_path
+):
+    """Launched without torchrun (as a cluster launcher might: one process per rank), so nothing but the scripts
+    themselves stands between a dead peer and a hang: the survivor must fail, not wait for a 30-minute timeout."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    flags = policy_flags(
+        tiny_assets, reward_reference / "reward_model", tmp_path / "run", "--ppo.total-episodes", "1600"
+    )
+    processes = []
+    for rank in range(2):
+        env = {**environment(2), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}  # fmt: skip
+        processes.append(subprocess.Popen(command(POLICY, flags, 1), env=env, cwd=REPO, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
+        assert all(process.poll() is None for process in processes), processes[0].communicate()[0][-3000:]
+        time.sleep(0.1)
+    processes[1].kill()
+    killed_at = time.time()
+    output, _ = processes[0].communicate(timeout=180)
+    waited = time.time() - killed_at
+    assert processes[0].returncode != 0, output[-3000:]
+    assert waited < 120, waited
