@@ -665,7 +665,14 @@ def check_resume_args(output_dir: Path, args) -> None:
     saved_path = output_dir / "args.json"
     if not saved_path.is_file():
         return  # the first attempt died before writing anything: resuming starts from scratch
-    saved, current = json.loads(saved_path.read_text()), json.loads(json.dumps(asdict(args)))
+
+    def flat(config: dict, prefix: str = "") -> dict:
+        items = [
+            flat(v, f"{prefix}{k}.").items() if isinstance(v, dict) else [(prefix + k, v)] for k, v in config.items()
+        ]
+        return dict(item for group in items for item in group)
+
+    saved, current = flat(json.loads(saved_path.read_text())), flat(json.loads(json.dumps(asdict(args))))
     changed = sorted(key for key in current if key not in RESUME_MAY_CHANGE and saved.get(key) != current[key])
     if changed:
         fail(f"--resume: {', '.join('--' + key.replace('_', '-') for key in changed)} differ from {saved_path}")

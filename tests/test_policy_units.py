@@ -398,15 +398,18 @@ def test_logprobs_and_entropy_by_hand():
     torch.testing.assert_close(entropy, torch.tensor([[0.562335, 0.693147]]), atol=1e-6, rtol=0)
 
 
-def test_check_finite_names_the_metric_update_and_micro_batch(monkeypatch):
+def test_check_finite_names_the_metric_update_and_micro_batch(monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "1")
     args = P.validate_args(
         P.Args(
             rewards=P.RewardHParams(trained_model="x"),
             ppo=P.PpoHParams(batch_size=64, nminibatches=2, gradient_accumulation_steps=2),
-            output_dir="runs/x",
+            output_dir=str(tmp_path),
         )  # fmt: skip
     )
+    for step in (2, 4):
+        (tmp_path / "checkpoints" / f"step-{step:08d}").mkdir(parents=True)
+    (tmp_path / "checkpoints" / ".step-00000006.tmp-1").mkdir()  # a checkpoint killed mid-write is not "good"
     stats = torch.zeros(4 * 2 * 2, 3)  # (epochs * minibatches * micro-batches, metrics)
     P.check_finite({"ppo/loss/total": 0.5}, stats, 7, args, 0)  # all finite: no error
     stats[2 * 4 + 3, 1] = float("nan")  # epoch 2, minibatch 1, micro-batch 1
@@ -415,4 +418,5 @@ def test_check_finite_names_the_metric_update_and_micro_batch(monkeypatch):
     message = str(error.value)
     assert len(message.splitlines()) == 1
     assert "ppo/loss/total" in message and "update 7" in message and "objective/kl" not in message
-    assert "PPO epoch 2, minibatch 1, micro-batch 1 on process 0" in message and "runs/x/policy not written" in message
+    assert "PPO epoch 2, minibatch 1, micro-batch 1 on process 0" in message and "policy/ not written" in message
+    assert message.endswith(f"last good checkpoint: {tmp_path / 'checkpoints' / 'step-00000004'}")

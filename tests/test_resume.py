@@ -71,7 +71,11 @@ def run_and_interrupt(script: str, flags: list[str], output_dir: Path, sig: int,
         time.sleep(0.05)
     time.sleep(delay)
     if process.poll() is None:
+        logged = (output_dir / "metrics.jsonl").read_text().count("\n")
         os.killpg(process.pid, sig)
+        print(
+            f"{script}: {signal.Signals(sig).name} after {delay:.2f} s, {logged} metrics rows, {checkpoints(output_dir)}"
+        )
     output, _ = process.communicate(timeout=120)
     return process.returncode, output
 
@@ -147,15 +151,21 @@ def test_resuming_a_finished_run_returns_at_once_and_changes_nothing(tiny_assets
     assert time.time() - start < 60 and (reward_reference / "metrics.jsonl").read_text() == before
 
 
-def test_an_unfinished_run_is_neither_appended_to_nor_resumed_with_other_flags(tiny_assets, tmp_path):
+def test_an_unfinished_run_is_neither_appended_to_nor_resumed_with_other_flags(tiny_assets, reward_reference, tmp_path):
     output_dir = tmp_path / "run"
     output_dir.mkdir()
     (output_dir / "metrics.jsonl").write_text('{"step": 1}\n')
-    (output_dir / "args.json").write_text(json.dumps({"lr": 1.0}))
+    first_attempt = json.loads((reward_reference / "args.json").read_text())
+    first_attempt.update(output_dir=str(output_dir), lr=1.0, seed=7)
+    (output_dir / "args.json").write_text(json.dumps(first_attempt))
     result = run_script(REWARD, *reward_flags(tiny_assets, output_dir))
     assert result.returncode != 0 and "--resume" in result.stderr and "unfinished run" in result.stderr
     result = run_script(REWARD, *reward_flags(tiny_assets, output_dir, "--resume"))
-    assert result.returncode != 0 and "--lr" in result.stderr.strip().splitlines()[-1]
+    assert result.returncode != 0
+    assert (
+        result.stderr.strip().splitlines()[-1]
+        == f"error: --resume: --lr, --seed differ from {output_dir / 'args.json'}"
+    )
     assert (output_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched
 
 

@@ -287,3 +287,43 @@ def test_real_scripts_two_seed_array(slurm_cluster, tmp_path, tiny_model_dir):
         assert policy_metrics[-1]["sync/param_spread"] == 0.0  # the closing row of a finished run
         assert any((reward_dir / "reward_model").iterdir()) and any((policy_dir / "policy").iterdir())
     assert shutil.which("sbatch")  # it really went through Slurm
+
+
+def test_real_policy_script_requeued_mid_run_resumes_from_its_checkpoint(slurm_cluster, tmp_path, tiny_model_dir):
+    """Preemption as Slurm does it: `scontrol requeue` stops the running task (SIGTERM, then SIGKILL after KillWait);
+    the requeued task gets --resume and the script continues from its newest checkpoint to the end, with exactly one
+    metrics row per update."""
+    label_file, query_file = write_tiny_task_data(tmp_path)
+    runs, logs = tmp_path / "runs", tmp_path / "logs"
+    python = sys.executable
+    reward = (
+        f"{python} train_reward_accelerate.py --base-model {tiny_model_dir} --label-dataset {label_file} "
+        f"--task.query-dataset {query_file} --labels.num-train 16 --batch-size 8 --rollout-batch-size 16 "
+        f"--normalize-samples 16 --output-dir {runs}/reward_{{seed}}"
+    )
+    policy = (
+        f"{python} train_policy_accelerate.py --base-model {tiny_model_dir} "
+        f"--rewards.trained-model {runs}/reward_{{seed}}/reward_model --task.query-dataset {query_file} "
+        f"--ppo.total-episodes 480 --ppo.batch-size 16 --ppo.noptepochs 1 --checkpoint-every 2 "
+        f"--output-dir {runs}/policy_{{seed}}"
+    )
+    offline = "export HF_HUB_OFFLINE=1 WANDB_MODE=disabled OMP_NUM_THREADS=1"
+    result = launch(
+        *("--command", reward, "--command", policy, "--num-seeds", "1", "--job-name", "preempt"),
+        *("--log-dir", str(logs), "--slurm-setup", offline, "--slurm-requeue"),
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    job_id = submitted_job_id(result.stdout)
+    policy_dir = runs / "policy_1"
+    wait_until(lambda: list((policy_dir / "checkpoints").glob("step-*")), JOB_TIMEOUT, "the first policy checkpoint")
+    subprocess.run(["scontrol", "requeue", f"{job_id}_0"], check=True)
+    finished = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+    wait_until(lambda: scontrol_tasks(job_id)[0]["JobState"] in finished, 2 * JOB_TIMEOUT, "the requeued task")
+    log = (logs / f"preempt_{job_id}_0.out").read_text()
+    assert scontrol_tasks(job_id)[0]["JobState"] == "COMPLETED", log[-3000:]
+    assert "restart 1:" in log and "resumed from" in log, log[-3000:]
+    assert "nothing to do" in log  # the finished reward run returned at once on its --resume
+    rows = [json.loads(line) for line in (policy_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["update"] for row in rows if "objective/scores" in row] == list(range(1, 31))
+    assert any((policy_dir / "policy").iterdir())

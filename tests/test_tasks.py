@@ -407,3 +407,45 @@ def test_tiny_tldr_run_end_to_end(tiny_assets, tmp_path):
     samples = read_jsonl(policy_dir / "samples.jsonl")
     assert samples and all("TL;DR" not in sample["query"] for sample in samples)  # the bare query is logged
     assert (policy_dir / "policy").is_dir()
+
+
+def test_tiny_cnndm_run_end_to_end(tiny_assets, tmp_path):
+    """cnndm on local articles in the Hub's `cnn_dailymail` layout (field `article`, with a byline, a Daily Mail date
+    header, a CNN dateline and highlights to clean away): reward model with simulated labels, then PPO with cnndm's
+    defaults (prefix "Article:\\n\\n", temperature 0.5, fixed KL 0.01). Lengths, data and model are tiny."""
+    articles = tmp_path / "articles.jsonl"
+    lines = synthetic_sentences(200, seed=4)
+    header = "By . Daily Mail Reporter . PUBLISHED: . 15:36 EST, 25 October 2013 . | . LONDON, England (CNN) -- "
+    articles.write_text("".join(json.dumps({"article": f"{header}{a} {b} @highlight The highlight.", "id": str(i)}) + "\n"
+                                for i, (a, b) in enumerate(zip(lines[::2], lines[1::2], strict=True))))  # fmt: skip
+    task_flags = ["--task.name", "cnndm", "--task.query-dataset", str(articles), "--task.query-length", "48",
+                  "--task.response-length", "16", "--task.truncate-after", "8", "--base-model", str(tiny_assets["model"])]  # fmt: skip
+    reward_dir = tmp_path / "reward"
+    result = run_script("train_reward_accelerate.py", *task_flags, "--labels.source", "sentiment",
+                        "--labels.num-train", "32", "--labels.simulated-num-test", "16", "--rollout-batch-size", "16",
+                        "--normalize-samples", "16", "--output-dir", str(reward_dir))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    args = json.loads((reward_dir / "args.json").read_text())
+    task_args = (args["task"]["query_prefix"], args["task"]["query_suffix"], args["task"]["temperature"])
+    assert task_args == ("Article:\n\n", "\n\nTL;DR:", 0.5)
+    records = json.loads((reward_dir / "labels.json").read_text())
+    tokenizer = R.load_tokenizer(str(tiny_assets["model"]), "--base-model")
+    queries = [tokenizer.decode([t for t in r["query"] if t < PAD]) for r in records]  # OAI's pad 50259 dropped
+    assert len(records) == 48 and all(len(r["query"]) == 48 for r in records)
+    for junk in ("Article:", "TL;DR", "(CNN)", "PUBLISHED", "Daily Mail Reporter", "@highlight", "highlight."):
+        assert not any(junk in query for query in queries), junk  # bare, cleaned queries for the reward model
+
+    policy_dir = tmp_path / "policy"
+    result = run_script("train_policy_accelerate.py", *task_flags, "--rewards.trained-model",
+                        str(reward_dir / "reward_model"), "--ppo.batch-size", "16", "--ppo.total-episodes", "32",
+                        "--print-sample-output-freq", "1", "--output-dir", str(policy_dir))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    args = json.loads((policy_dir / "args.json").read_text())
+    ppo_args = (args["ppo"]["lr"], args["ppo"]["whiten_rewards"], args["rewards"]["use_adaptive_kl"])
+    assert ppo_args == (2e-6, False, False) and args["task"]["query_prefix"] == "Article:\n\n"
+    updates = [row for row in read_jsonl(policy_dir / "metrics.jsonl") if "objective/kl_coef" in row]
+    assert [row["update"] for row in updates] == [1, 2]
+    assert all(row["objective/kl_coef"] == 0.01 for row in updates)  # fixed, cnndm's
+    samples = read_jsonl(policy_dir / "samples.jsonl")
+    assert samples and all("Article:" not in s["query"] and "CNN" not in s["query"] for s in samples)
+    assert (policy_dir / "policy").is_dir()
