@@ -173,6 +173,11 @@ class Args:
     """pretrained causal LM for the policy and the reference policy: a Hub id or a local directory"""
     use_tensorflow_adam: bool = True
     """TF1-style Adam (eps outside the bias correction, as in OAI); --no-use-tensorflow-adam: torch.optim.Adam"""
+    mixed_precision: Literal["no", "bf16"] = "no"
+    """bf16: forwards under bf16 autocast with fp32 master weights and optimizer state; log-softmax, losses, rewards
+    and advantages stay fp32 (a GPU speed option: on CPUs without bf16 units it is slower)"""
+    allow_tf32: bool = False
+    """TF32 matmuls on Ampere and newer GPUs (faster, ~1e-3 relative error per matmul); no effect on CPU"""
     local_rollout_forward_batch_size: int = 64
     """rows per rollout generation / forward on one process (memory knob; does not change the math)"""
     print_sample_output_freq: int = 10
@@ -338,6 +343,14 @@ def config_without_dropout(name_or_path: str, flag: str):
     return config
 
 
+def require_causal_lm(name_or_path: str, flag: str) -> None:
+    """Fail before any weights load unless the model was saved as a causal LM (its config's `architectures`, e.g.
+    GPT2LMHeadModel or LlamaForCausalLM; an encoder such as BertModel would load with a random LM head)."""
+    architectures = config_without_dropout(name_or_path, flag).architectures or []
+    if architectures and not any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures):
+        fail(f"{flag} {name_or_path!r} is not a causal LM (saved as {', '.join(architectures)})")
+
+
 def assert_dropout_disabled(model: nn.Module) -> None:
     for key, value in model.config.to_dict().items():
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
@@ -483,8 +496,14 @@ def load_query_texts(task: TaskHParams):
     datasets.disable_progress_bars()
     path = task.query_dataset
     if os.path.isfile(path):
+        if os.path.getsize(path) == 0:
+            fail(f"--task.query-dataset {path!r} is empty")
         kind = "json" if path.endswith((".json", ".jsonl")) else "text"
-        dataset = datasets.load_dataset(kind, data_files=path, split="train")
+        try:
+            dataset = datasets.load_dataset(kind, data_files=path, split="train")
+        except Exception as error:  # datasets wraps every parse error in its own exception types
+            cause = error.__cause__ or error
+            fail(f"--task.query-dataset {path!r}: cannot read it as {kind} ({type(cause).__name__}: {cause})")
     else:
         require_local_or_hub(path, "--task.query-dataset")
         try:
@@ -585,6 +604,11 @@ class QueryStream:
     def load_state(self, state: dict) -> None:
         self.epoch, self.position, self.produced_in_epoch = state["epoch"], state["position"], state["produced"]
         self.buffer, self.order = [list(query) for query in state["buffer"]], self._epoch_order()
+
+    def require_a_query(self) -> None:
+        """Fail now, before any model is loaded, if no text of the dataset yields a query (the stream is left as it
+        was: a throwaway copy does the search)."""
+        QueryStream(self.texts, self.tokenizer, self.task, self.pad_id, self.seed, text_ids=self.text_ids).next_batch(1)
 
     def format(self, queries: torch.Tensor) -> torch.Tensor:
         """The policy's contexts prefix ⊕ query ⊕ suffix (OAI's query_formatter): (B, prefix + query_length + suffix),
@@ -1080,8 +1104,8 @@ def rollout(policy, ref_lm, reward_model, queries, contexts, truncate_token_id, 
                 postprocessed_responses=postprocessed,
                 logprobs=logprobs,
                 ref_logprobs=ref_logprobs,
-                values=value,
-                scores=score,
+                values=value.float(),  # rewards, advantages and losses in fp32, also under --mixed-precision bf16
+                scores=score.float(),
             )
         )
     return {key: torch.cat([output[key] for output in outputs]) for key in outputs[0]}
@@ -1192,6 +1216,7 @@ def main(args: Args) -> None:
         print(json.dumps({"dry_run": "ok", **{key: getattr(args, key) for key in keys}}))
         return
     tokenizer = load_tokenizer(args.base_model, "--base-model")
+    require_causal_lm(args.base_model, "--base-model")
     pad_id = tokenizer.pad_token_id
     truncate_token_ids = tokenizer.encode(args.task.truncate_token, add_special_tokens=False)
     if len(truncate_token_ids) != 1:
@@ -1204,8 +1229,13 @@ def main(args: Args) -> None:
         return
     if args.resume:
         check_resume_args(output_dir, args)
+    texts = load_query_texts(args.task)[args.task.query_field]
+    QueryStream(texts, tokenizer, args.task, pad_id, args.seed).require_a_query()
     stop = StopSignal()
-    accelerator = Accelerator(gradient_accumulation_steps=args.ppo.gradient_accumulation_steps)
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.ppo.gradient_accumulation_steps, mixed_precision=args.mixed_precision
+    )
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.allow_tf32
     device = accelerator.device
     if device.type == "cpu":
         reuse_freed_host_memory()
@@ -1224,7 +1254,6 @@ def main(args: Args) -> None:
     policy, optimizer = accelerator.prepare(policy, optimizer)
     unwrapped = accelerator.unwrap_model(policy)
     torch.manual_seed(args.seed + accelerator.process_index * RANK_SEED_STRIDE)  # detail: per-process sampling seed
-    texts = load_query_texts(args.task)[args.task.query_field]
     eval_queries, eval_contexts, train_text_ids = None, None, None
     if args.task.gold_labeler is not None:  # held-out queries: the first of a fixed text order, kept out of training
         held_out = QueryStream(texts, tokenizer, args.task, pad_id, seed=EVAL_SEED)
@@ -1250,18 +1279,19 @@ def main(args: Args) -> None:
     ppo, start_time = args.ppo, time.time()
 
     def run_eval(update: int) -> dict:
-        metrics, rows = evaluate_gold(
-            accelerator,
-            unwrapped,
-            ref_lm,
-            reward_model,
-            eval_queries,
-            eval_contexts,
-            tokenizer,
-            truncate_token_id,
-            args,
-            update,
-        )
+        with accelerator.autocast():
+            metrics, rows = evaluate_gold(
+                accelerator,
+                unwrapped,
+                ref_lm,
+                reward_model,
+                eval_queries,
+                eval_contexts,
+                tokenizer,
+                truncate_token_id,
+                args,
+                update,
+            )
         if accelerator.is_main_process:
             with open(output_dir / "eval_samples.jsonl", "a") as file:
                 file.writelines(json.dumps(row) + "\n" for row in rows)
@@ -1292,7 +1322,8 @@ def main(args: Args) -> None:
         queries = stream.next_batch(args.local_batch_size).to(device)  # (B, C): what the reward model reads
         contexts = stream.format(queries)  # (B, C'): prefix ⊕ query ⊕ suffix, what the policy reads (C' = C: books)
         timer = PhaseTimer(device)
-        data = rollout(unwrapped, ref_lm, reward_model, queries, contexts, truncate_token_id, args, timer)
+        with accelerator.autocast():  # a no-op unless --mixed-precision bf16
+            data = rollout(unwrapped, ref_lm, reward_model, queries, contexts, truncate_token_id, args, timer)
         responses, logprobs, values = data["responses"], data["logprobs"], data["values"]  # (B, T) each
         query_responses = torch.cat([contexts, responses], 1)  # (B, C' + T)
         context_length = contexts.shape[1]
@@ -1316,7 +1347,13 @@ def main(args: Args) -> None:
                         logits, vpred = policy(query_responses[ids], context_length, pad_id, args.task.temperature)
                         new_logprobs, entropy = logprobs_from_logits(logits, responses[ids], with_entropy=True)
                         loss, stats = ppo_losses(
-                            new_logprobs, vpred, logprobs[ids], values[ids], advantages[micro], returns[micro], ppo
+                            new_logprobs,
+                            vpred.float(),
+                            logprobs[ids],
+                            values[ids],
+                            advantages[micro],
+                            returns[micro],
+                            ppo,
                         )
                         accelerator.backward(loss)
                         optimizer.step()

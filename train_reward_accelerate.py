@@ -145,6 +145,11 @@ class Args:
     """Adam epsilon"""
     use_tensorflow_adam: bool = True
     """TF1-style Adam (eps outside the bias correction, as in OAI); --no-use-tensorflow-adam: torch.optim.Adam"""
+    mixed_precision: Literal["no", "bf16"] = "no"
+    """bf16: forwards under bf16 autocast with fp32 master weights and optimizer state; log-softmax, losses, rewards
+    and advantages stay fp32 (a GPU speed option: on CPUs without bf16 units it is slower)"""
+    allow_tf32: bool = False
+    """TF32 matmuls on Ampere and newer GPUs (faster, ~1e-3 relative error per matmul); no effect on CPU"""
     rollout_batch_size: Optional[int] = None
     """responses per normalization round, over all processes (per task: sentiment/descriptiveness 512, tldr/cnndm
     128)"""
@@ -309,6 +314,14 @@ def config_without_dropout(name_or_path: str, flag: str):
     return config
 
 
+def require_causal_lm(name_or_path: str, flag: str) -> None:
+    """Fail before any weights load unless the model was saved as a causal LM (its config's `architectures`, e.g.
+    GPT2LMHeadModel or LlamaForCausalLM; an encoder such as BertModel would load with a random LM head)."""
+    architectures = config_without_dropout(name_or_path, flag).architectures or []
+    if architectures and not any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures):
+        fail(f"{flag} {name_or_path!r} is not a causal LM (saved as {', '.join(architectures)})")
+
+
 def assert_dropout_disabled(model: nn.Module) -> None:
     for key, value in model.config.to_dict().items():
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
@@ -454,8 +467,14 @@ def load_query_texts(task: TaskHParams):
     datasets.disable_progress_bars()
     path = task.query_dataset
     if os.path.isfile(path):
+        if os.path.getsize(path) == 0:
+            fail(f"--task.query-dataset {path!r} is empty")
         kind = "json" if path.endswith((".json", ".jsonl")) else "text"
-        dataset = datasets.load_dataset(kind, data_files=path, split="train")
+        try:
+            dataset = datasets.load_dataset(kind, data_files=path, split="train")
+        except Exception as error:  # datasets wraps every parse error in its own exception types
+            cause = error.__cause__ or error
+            fail(f"--task.query-dataset {path!r}: cannot read it as {kind} ({type(cause).__name__}: {cause})")
     else:
         require_local_or_hub(path, "--task.query-dataset")
         try:
@@ -556,6 +575,11 @@ class QueryStream:
     def load_state(self, state: dict) -> None:
         self.epoch, self.position, self.produced_in_epoch = state["epoch"], state["position"], state["produced"]
         self.buffer, self.order = [list(query) for query in state["buffer"]], self._epoch_order()
+
+    def require_a_query(self) -> None:
+        """Fail now, before any model is loaded, if no text of the dataset yields a query (the stream is left as it
+        was: a throwaway copy does the search)."""
+        QueryStream(self.texts, self.tokenizer, self.task, self.pad_id, self.seed, text_ids=self.text_ids).next_batch(1)
 
     def format(self, queries: torch.Tensor) -> torch.Tensor:
         """The policy's contexts prefix ⊕ query ⊕ suffix (OAI's query_formatter): (B, prefix + query_length + suffix),
@@ -960,7 +984,7 @@ def best_of_4_loss(reward_model: RewardModel, queries, samples, best):
     forward. Shapes: queries (B, C), samples (B, 4, T), best (B,)."""
     batch = samples.shape[0]
     query_responses = torch.cat([queries.repeat_interleave(NUM_SAMPLES, 0), samples.flatten(0, 1)], 1)  # (4B, C+T)
-    logits = reward_model(query_responses).view(batch, NUM_SAMPLES)  # (B, 4)
+    logits = reward_model(query_responses).float().view(batch, NUM_SAMPLES)  # (B, 4), fp32 also under bf16
     loss = F.cross_entropy(logits, best)
     accuracy = (logits.argmax(1) == best).float().mean()
     return loss, accuracy
@@ -992,7 +1016,8 @@ def normalize_reward(accelerator, ref_lm, reward_model: RewardModel, queries: Qu
     n = math.ceil(args.normalize_samples / args.rollout_batch_size) * args.local_rollout_batch_size
 
     def stats():
-        scores = sample_and_score(ref_lm, model, queries, n, args)[2]
+        with accelerator.autocast():
+            scores = sample_and_score(ref_lm, model, queries, n, args)[2].float()
         sums = accelerator.reduce(torch.stack([scores.mean(), scores.square().mean()]), "mean")
         mean, square_mean = sums.tolist()
         return mean, math.sqrt(max(square_mean - mean**2, 0.0))
@@ -1052,6 +1077,7 @@ def main(args: Args) -> None:
         print(json.dumps({"dry_run": "ok", **derived}))
         return
     tokenizer = load_tokenizer(args.base_model, "--base-model")
+    require_causal_lm(args.base_model, "--base-model")
     pad_id = tokenizer.pad_token_id
     truncate_token_ids = tokenizer.encode(args.task.truncate_token, add_special_tokens=False)
     if len(truncate_token_ids) != 1:
@@ -1070,8 +1096,13 @@ def main(args: Args) -> None:
         return
     if args.resume:
         check_resume_args(output_dir, args)
+    texts = load_query_texts(args.task)[args.task.query_field]
+    QueryStream(texts, tokenizer, args.task, pad_id, args.seed).require_a_query()
     stop = StopSignal()
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=args.mixed_precision
+    )
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.allow_tf32
     if accelerator.device.type == "cpu":
         reuse_freed_host_memory()
     checkpoint = start_run_files(accelerator, output_dir, args.resume)
@@ -1086,7 +1117,7 @@ def main(args: Args) -> None:
         param.requires_grad_(False)
     torch.manual_seed(args.seed + accelerator.process_index * RANK_SEED_STRIDE)  # detail: per-process sampling seed
     query_stream = QueryStream(
-        load_query_texts(args.task)[args.task.query_field],
+        texts,
         tokenizer,
         args.task,
         pad_id,
@@ -1098,7 +1129,10 @@ def main(args: Args) -> None:
         reward_model.to(accelerator.device)
         label_path = output_dir / "labels.json"
         if checkpoint is None:  # a resumed run trains on the labels its first attempt made
-            records = simulate_labels(accelerator, ref_lm, query_stream, tokenizer, pad_id, truncate_token_ids[0], args)
+            with accelerator.autocast():  # a no-op unless --mixed-precision bf16
+                records = simulate_labels(
+                    accelerator, ref_lm, query_stream, tokenizer, pad_id, truncate_token_ids[0], args
+                )
             if accelerator.is_main_process:
                 write_text_atomic(label_path, json.dumps(records))
         accelerator.wait_for_everyone()
@@ -1124,9 +1158,10 @@ def main(args: Args) -> None:
             accuracies.append(accuracy * len(ids))
         totals = torch.stack([sum(losses), sum(accuracies), torch.tensor(float(len(local_ids)))])
         loss_sum, accuracy_sum, count = accelerator.reduce(totals.to(accelerator.device), "sum").tolist()
-        query, response, score = sample_and_score(
-            ref_lm, accelerator.unwrap_model(reward_model), query_stream, SAMPLE_ROWS, args
-        )
+        with accelerator.autocast():
+            query, response, score = sample_and_score(
+                ref_lm, accelerator.unwrap_model(reward_model), query_stream, SAMPLE_ROWS, args
+            )
         rows = zip(decode(tokenizer, query), decode(tokenizer, response), score.tolist(), strict=True)
         logger.table(f"samples at step {step}", ["query", "response", "reward"], [list(row) for row in rows])
         return {"test/loss": loss_sum / count, "test/accuracy": accuracy_sum / count}

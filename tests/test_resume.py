@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 REWARD = "train_reward_accelerate.py"
 POLICY = "train_policy_accelerate.py"
 KILL_SEED = int(os.environ.get("RESUME_TEST_SEED", "0"))  # the random kill points are reproducible
+KILL_POINTS = int(os.environ.get("RESUME_KILL_POINTS", "1"))  # more for a fault-injection sweep (see the README)
 
 
 def environment(nproc: int) -> dict:
@@ -61,17 +62,30 @@ def checkpoints(output_dir: Path) -> list[str]:
     return sorted(path.name for path in (output_dir / "checkpoints").glob("step-*"))
 
 
-def run_and_interrupt(script: str, flags: list[str], output_dir: Path, sig: int, delay: float, nproc: int = 1):
-    """Start a run, wait for its first checkpoint, wait `delay` seconds more, send `sig` to its whole process group;
-    returns the exit status and the output."""
+def metrics_rows(output_dir: Path) -> int:
+    path = output_dir / "metrics.jsonl"
+    return path.read_text().count("\n") if path.exists() else 0
+
+
+def kill_point(name: str, rows: tuple[int, int]) -> tuple[int, float]:
+    """A reproducible random kill point: after how many metrics rows, then how many seconds into the next step."""
+    rng = random.Random(f"{KILL_SEED}-{name}")
+    return rng.randint(*rows), rng.uniform(0, 0.3)
+
+
+def run_and_interrupt(script, flags, output_dir: Path, sig: int, after_rows: int = 0, delay: float = 0, nproc: int = 1):
+    """Start a run, wait for its first checkpoint and for `after_rows` metrics rows, wait `delay` seconds more, then
+    send `sig` to its whole process group (as Slurm or a node failure would); returns the exit status and output."""
     process = subprocess.Popen(command(script, flags, nproc), env=environment(nproc), cwd=REPO, start_new_session=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     deadline = time.time() + 300
-    while not checkpoints(output_dir) and process.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
+    while process.poll() is None and time.time() < deadline:
+        if checkpoints(output_dir) and metrics_rows(output_dir) >= after_rows:
+            break
+        time.sleep(0.02)
     time.sleep(delay)
     if process.poll() is None:
-        logged = (output_dir / "metrics.jsonl").read_text().count("\n")
+        logged = metrics_rows(output_dir)
         os.killpg(process.pid, sig)
         print(
             f"{script}: {signal.Signals(sig).name} after {delay:.2f} s, {logged} metrics rows, {checkpoints(output_dir)}"
@@ -112,12 +126,12 @@ def test_reward_checkpoints_keep_the_newest_two_and_each_is_complete(reward_refe
     assert not list((reward_reference / "checkpoints").glob(".*"))  # no temporaries left behind
 
 
-def test_reward_resume_after_sigkill_is_bit_identical(tiny_assets, reward_reference, tmp_path):
+@pytest.mark.parametrize("kill_point", range(KILL_POINTS))
+def test_reward_resume_after_sigkill_is_bit_identical(tiny_assets, reward_reference, tmp_path, kill_point):
     output_dir = tmp_path / "run"
-    delay = random.Random(KILL_SEED).uniform(0, 4)
-    returncode, output = run_and_interrupt(
-        REWARD, reward_flags(tiny_assets, output_dir), output_dir, signal.SIGKILL, delay
-    )
+    rows, delay = kill_point(f"reward-{kill_point}", (3, 7))  # of 9 rows: normalization before, steps 1-8
+    flags = reward_flags(tiny_assets, output_dir)
+    returncode, output = run_and_interrupt(REWARD, flags, output_dir, signal.SIGKILL, rows, delay)
     assert returncode == -signal.SIGKILL, output[-3000:]  # really killed, not finished
     assert not (output_dir / "reward_model").exists()
     result = run_script(REWARD, *reward_flags(tiny_assets, output_dir, "--resume"))
@@ -131,7 +145,7 @@ def test_reward_sigterm_writes_a_checkpoint_and_exits_143_then_resumes_identical
     tiny_assets, reward_reference, tmp_path
 ):
     output_dir = tmp_path / "run"
-    returncode, output = run_and_interrupt(REWARD, reward_flags(tiny_assets, output_dir), output_dir, signal.SIGTERM, 0)
+    returncode, output = run_and_interrupt(REWARD, reward_flags(tiny_assets, output_dir), output_dir, signal.SIGTERM)
     assert returncode == 143, output[-3000:]
     assert "stopped by SIGTERM" in output
     stopped_at = json.loads((output_dir / "checkpoints" / checkpoints(output_dir)[-1] / "state.json").read_text())[
@@ -182,14 +196,14 @@ def policy_reference(tiny_assets, reward_reference, tmp_path_factory):
     return output_dir
 
 
-@pytest.mark.parametrize("kill_point", [0, 1])
+@pytest.mark.parametrize("kill_point", range(2 * KILL_POINTS))
 def test_policy_resume_after_sigkill_is_bit_identical(
     tiny_assets, reward_reference, policy_reference, tmp_path, kill_point
 ):
     output_dir = tmp_path / "run"
     flags = policy_flags(tiny_assets, reward_reference / "reward_model", output_dir)
-    delay = random.Random(f"{KILL_SEED}-{kill_point}").uniform(0, 5)
-    returncode, output = run_and_interrupt(POLICY, flags, output_dir, signal.SIGKILL, delay)
+    rows, delay = kill_point(f"policy-{kill_point}", (2, 7))  # of 9 rows: updates 1-8, the closing sync row
+    returncode, output = run_and_interrupt(POLICY, flags, output_dir, signal.SIGKILL, rows, delay)
     assert returncode == -signal.SIGKILL, output[-3000:]
     result = run_script(POLICY, *flags, "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -204,7 +218,7 @@ def test_policy_resume_after_sigkill_is_bit_identical(
 def test_policy_sigterm_checkpoints_and_resumes_identically(tiny_assets, reward_reference, policy_reference, tmp_path):
     output_dir = tmp_path / "run"
     flags = policy_flags(tiny_assets, reward_reference / "reward_model", output_dir)
-    returncode, output = run_and_interrupt(POLICY, flags, output_dir, signal.SIGTERM, 0)
+    returncode, output = run_and_interrupt(POLICY, flags, output_dir, signal.SIGTERM)
     assert returncode == 143 and "stopped by SIGTERM" in output, output[-3000:]
     result = run_script(POLICY, *flags, "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -219,13 +233,14 @@ def policy_reference_two_processes(tiny_assets, reward_reference, tmp_path_facto
     return output_dir
 
 
+@pytest.mark.parametrize("kill_point", range(KILL_POINTS))
 def test_policy_two_processes_resume_after_sigkill_is_bit_identical(
-    tiny_assets, reward_reference, policy_reference_two_processes, tmp_path
+    tiny_assets, reward_reference, policy_reference_two_processes, tmp_path, kill_point
 ):
     output_dir = tmp_path / "run"
     flags = policy_flags(tiny_assets, reward_reference / "reward_model", output_dir)
-    delay = random.Random(f"{KILL_SEED}-2").uniform(0, 5)
-    returncode, output = run_and_interrupt(POLICY, flags, output_dir, signal.SIGKILL, delay, nproc=2)
+    rows, delay = kill_point(f"two-{kill_point}", (2, 7))
+    returncode, output = run_and_interrupt(POLICY, flags, output_dir, signal.SIGKILL, rows, delay, nproc=2)
     assert returncode == -signal.SIGKILL, output[-3000:]
     # each process's RNG state and query-stream position are in the checkpoint
     assert (
