@@ -178,6 +178,9 @@ class Args:
     and advantages stay fp32 (a GPU speed option: on CPUs without bf16 units it is slower)"""
     allow_tf32: bool = False
     """TF32 matmuls on Ampere and newer GPUs (faster, ~1e-3 relative error per matmul); no effect on CPU"""
+    peak_tflops: Optional[float] = None
+    """the device's peak TFLOP/s (per process); with it, MFU (model FLOPs per second / peak) is logged as time/mfu_*
+    (benchmark/throughput.py measures a peak with a matmul benchmark)"""
     local_rollout_forward_batch_size: int = 64
     """rows per rollout generation / forward on one process (memory knob; does not change the math)"""
     print_sample_output_freq: int = 10
@@ -764,6 +767,13 @@ def reuse_freed_host_memory() -> None:
     libc.mallopt(GLIBC_M_TRIM_THRESHOLD, 2**31 - 1)
 
 
+def trunk_parameters(model: nn.Module) -> int:
+    """Parameters a token's forward pass multiplies with (2 FLOPs each, for MFU): all but the embedding lookup and
+    the LM head, which is counted apart on the positions that use it."""
+    skip = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
+    return sum(p.numel() for p in model.parameters() if id(p) not in skip)
+
+
 def parameter_spread(accelerator: Accelerator, model: nn.Module) -> float:
     """max - min over processes of a float64 checksum of all parameters: 0 when every process holds the same model
     (DDP averages gradients, so any other value means the processes drifted apart)."""
@@ -938,6 +948,8 @@ def validate_args(args: Args) -> Args:
     if args.rewards.trained_model is None:
         fail("--rewards.trained-model is required: the reward_model/ directory written by train_reward_accelerate.py")
     args.num_updates = math.ceil(ppo.total_episodes / ppo.batch_size)
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        fail("--peak-tflops must be positive")
     if args.checkpoint_every < 0 or args.checkpoint_keep < 1:
         fail("--checkpoint-every must be >= 0 and --checkpoint-keep >= 1")
     if args.resume and args.overwrite:
@@ -1253,6 +1265,8 @@ def main(args: Args) -> None:
     optimizer = make_optimizer(policy.parameters(), args.ppo.lr, args.ppo.eps, args.use_tensorflow_adam)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     unwrapped = accelerator.unwrap_model(policy)
+    trunk_params = trunk_parameters(unwrapped.lm)
+    head_flops = 2 * unwrapped.lm.config.hidden_size * unwrapped.lm.get_output_embeddings().weight.shape[0]
     torch.manual_seed(args.seed + accelerator.process_index * RANK_SEED_STRIDE)  # detail: per-process sampling seed
     eval_queries, eval_contexts, train_text_ids = None, None, None
     if args.task.gold_labeler is not None:  # held-out queries: the first of a fixed text order, kept out of training
@@ -1392,6 +1406,12 @@ def main(args: Args) -> None:
             **timer.times,
             "time/peak_memory_gb": peak_memory_gb(device),
         })  # fmt: skip
+        if args.peak_tflops:  # per process: trunk 2·N FLOPs per token, LM head 2·d·V per response token, backward 2x
+            forward = 2 * trunk_params * query_responses.numel() + head_flops * responses.numel()
+            train, peak = ppo.noptepochs * 3 * forward, args.peak_tflops * 1e12
+            row["time/mfu_ppo_epochs"] = train / timer.times["time/ppo_epochs"] / peak
+            # generation, policy and reference log-probs, scoring: about 4 more forwards
+            row["time/mfu_update"] = (train + 4 * forward) / sum(timer.times.values()) / peak
         if eval_queries is not None and (update % args.eval_every == 0 or update == args.num_updates):
             row.update(run_eval(update))
         if update % args.print_sample_output_freq == 0 or update == 1 or update == args.num_updates:

@@ -150,6 +150,9 @@ class Args:
     and advantages stay fp32 (a GPU speed option: on CPUs without bf16 units it is slower)"""
     allow_tf32: bool = False
     """TF32 matmuls on Ampere and newer GPUs (faster, ~1e-3 relative error per matmul); no effect on CPU"""
+    peak_tflops: Optional[float] = None
+    """the device's peak TFLOP/s (per process); with it, MFU (model FLOPs per second / peak) is logged as time/mfu_*
+    (benchmark/throughput.py measures a peak with a matmul benchmark)"""
     rollout_batch_size: Optional[int] = None
     """responses per normalization round, over all processes (per task: sentiment/descriptiveness 512, tldr/cnndm
     128)"""
@@ -735,6 +738,13 @@ def reuse_freed_host_memory() -> None:
     libc.mallopt(GLIBC_M_TRIM_THRESHOLD, 2**31 - 1)
 
 
+def trunk_parameters(model: nn.Module) -> int:
+    """Parameters a token's forward pass multiplies with (2 FLOPs each, for MFU): all but the embedding lookup and
+    the LM head, which is counted apart on the positions that use it."""
+    skip = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
+    return sum(p.numel() for p in model.parameters() if id(p) not in skip)
+
+
 def parameter_spread(accelerator: Accelerator, model: nn.Module) -> float:
     """max - min over processes of a float64 checksum of all parameters: 0 when every process holds the same model
     (DDP averages gradients, so any other value means the processes drifted apart)."""
@@ -910,6 +920,8 @@ def validate_args(args: Args) -> Args:
         fail("--task.truncate-after must be >= 0 and < --task.response-length")
     if args.labels.source != "file" and args.labels.simulated_num_test < args.batch_size:
         fail("--labels.simulated-num-test must hold at least one --batch-size of records")
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        fail("--peak-tflops must be positive")
     if args.checkpoint_every < 0 or args.checkpoint_keep < 1:
         fail("--checkpoint-every must be >= 0 and --checkpoint-keep >= 1")
     if args.resume and args.overwrite:
@@ -1139,6 +1151,7 @@ def main(args: Args) -> None:
         labels = load_labels(str(label_path), tokenizer, pad_id, args)
     optimizer = make_optimizer(reward_model.parameters(), args.lr, args.eps, args.use_tensorflow_adam)
     reward_model, optimizer = accelerator.prepare(reward_model, optimizer)
+    trunk_params = trunk_parameters(accelerator.unwrap_model(reward_model).backbone)
     num_test = (len(labels["best"]) - args.labels.num_train) // args.batch_size * args.batch_size
     test_ids = torch.arange(args.labels.num_train, args.labels.num_train + num_test)
     # detail: label order — one permutation drawn on process 0 and broadcast, so all processes agree on it
@@ -1216,6 +1229,9 @@ def main(args: Args) -> None:
             "elapsed/time": time.time() - start_time,
             "time/train_step": time.perf_counter() - step_start,
         }
+        if args.peak_tflops:  # per process: 4 samples per label, 2·N FLOPs per token forward, backward 2x
+            tokens = NUM_SAMPLES * args.local_batch_size * (args.task.query_length + args.task.response_length)
+            row["time/mfu_train_step"] = 6 * trunk_params * tokens / row["time/train_step"] / (args.peak_tflops * 1e12)
         # 3. evaluate
         if (update + 1) % args.print_sample_output_freq == 0 or update + 1 == args.num_updates:
             evaluation_start = time.perf_counter()

@@ -81,8 +81,8 @@ def measure_peak_tflops(device: torch.device) -> float:
     return best
 
 
-def make_assets(args: Args, root: Path) -> tuple[Path, Path, int, int, int]:
-    """(model dir, corpus file, parameters without embeddings, hidden size, vocabulary size)."""
+def make_assets(args: Args, root: Path) -> tuple[Path, Path, int]:
+    """(model dir, corpus file, vocabulary size)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
     if args.model in SIZES:
@@ -96,13 +96,11 @@ def make_assets(args: Args, root: Path) -> tuple[Path, Path, int, int, int]:
     else:
         model_dir = Path(args.model)
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    embedding = model.get_input_embeddings().weight
-    parameters = sum(p.numel() for p in model.parameters()) - embedding.numel()
     corpus = root / "corpus.txt"
     generator = torch.Generator().manual_seed(0)
     lines = [" ".join(WORDS[i] for i in torch.randint(len(WORDS), (80,), generator=generator)) for _ in range(2000)]
     corpus.write_text("\n".join(lines) + "\n")
-    return model_dir, corpus, parameters, model.config.hidden_size, embedding.shape[0]
+    return model_dir, corpus, model.get_input_embeddings().weight.shape[0]
 
 
 def random_labels(path: Path, n: int, args: Args, vocab_size: int) -> Path:
@@ -136,8 +134,9 @@ def main(args: Args) -> None:
     peak = args.peak_tflops or measure_peak_tflops(device)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model_dir, corpus, n_params, d_model, vocab = make_assets(args, root)
+        model_dir, corpus, vocab = make_assets(args, root)
         common = ["--base-model", str(model_dir), "--task.query-dataset", str(corpus), "--overwrite",
+                  "--peak-tflops", str(peak),
                   "--task.query-length", str(args.query_length), "--task.response-length", str(args.response_length),
                   "--task.truncate-after", str(min(16, args.response_length - 1))]  # fmt: skip
         steps = args.updates + 1
@@ -148,16 +147,14 @@ def main(args: Args) -> None:
                         "--rollout-batch-size", str(args.batch_size), "--normalize-samples", str(args.batch_size),
                         "--no-normalize-after"]  # fmt: skip
         run("train_reward_accelerate.py", [*reward_flags, *args.extra] if args.stage != "policy" else reward_flags)
-        context = args.query_length + args.response_length
         if args.stage in ("reward", "both"):
             rows = [row for row in map(json.loads, (root / "reward" / "metrics.jsonl").open()) if "train/loss" in row]
             step = median(rows[1:], "time/train_step")
-            flops = 6 * n_params * 4 * args.batch_size * context  # forward + backward of 4 samples per label
             evaluation = rows[-1]["time/evaluation"]
             print(json.dumps({
                 "stage": "reward", "model": args.model, "device": device.type, "batch_size": args.batch_size,
                 "seconds_per_step": step, "labels_per_second": args.batch_size / step,
-                "eval_seconds_per_label": evaluation / args.eval_labels, "mfu": flops / step / (peak * 1e12),
+                "eval_seconds_per_label": evaluation / args.eval_labels, "mfu": median(rows[1:], "time/mfu_train_step"),
                 "peak_tflops": peak,
             }))  # fmt: skip
         if args.stage in ("policy", "both"):
@@ -172,20 +169,17 @@ def main(args: Args) -> None:
             phases = {
                 key: median(rows[1:], key)
                 for key in rows[0]
-                if key.startswith("time/") and key != "time/peak_memory_gb"
+                if key.startswith("time/") and key != "time/peak_memory_gb" and not key.startswith("time/mfu")
             }
             update = sum(phases.values())
             tokens = args.batch_size * args.response_length
-            # model FLOPs: trunk 2·N per token and forward, LM head 2·d·V per response token; backward = 2x forward
-            trunk, head = 2 * n_params * args.batch_size * context, 2 * d_model * vocab * tokens
-            train_flops = args.noptepochs * 3 * (trunk + head)
             print(json.dumps({
                 "stage": "policy", "model": args.model, "device": device.type, "batch_size": args.batch_size,
                 "query_length": args.query_length, "response_length": args.response_length,
                 "seconds_per_update": update, "episodes_per_second": args.batch_size / update,
                 "tokens_per_second": tokens / update, "phases": phases,
-                "mfu_ppo_epochs": train_flops / phases["time/ppo_epochs"] / (peak * 1e12),
-                "mfu_update": (train_flops + 3 * trunk + 2 * head) / update / (peak * 1e12),
+                "mfu_ppo_epochs": median(rows[1:], "time/mfu_ppo_epochs"),  # logged by the script (--peak-tflops)
+                "mfu_update": median(rows[1:], "time/mfu_update"),
                 "peak_memory_gb": rows[-1]["time/peak_memory_gb"], "peak_tflops": peak,
             }))  # fmt: skip
 

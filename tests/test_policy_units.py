@@ -420,3 +420,12 @@ def test_check_finite_names_the_metric_update_and_micro_batch(monkeypatch, tmp_p
     assert "ppo/loss/total" in message and "update 7" in message and "objective/kl" not in message
     assert "PPO epoch 2, minibatch 1, micro-batch 1 on process 0" in message and "policy/ not written" in message
     assert message.endswith(f"last good checkpoint: {tmp_path / 'checkpoints' / 'step-00000004'}")
+
+
+def test_trunk_parameters_count_what_a_token_multiplies_with():
+    """For MFU: a 2-layer GPT-2 (d 64) has 12·d² + 13·d parameters per block, d·64 position embeddings and a final
+    LayerNorm; the token embedding (tied with the LM head) is a lookup and is not counted."""
+    d = 64
+    lm = GPT2LMHeadModel(GPT2Config(vocab_size=1000, n_layer=2, n_embd=d, n_head=4, n_positions=64))
+    assert P.trunk_parameters(lm) == 64 * d + 2 * (12 * d * d + 13 * d) + 2 * d == 104192
+    assert P.trunk_parameters(lm.transformer) == 104192  # the reward model's backbone: no LM head at all

@@ -67,7 +67,7 @@ def metrics_rows(output_dir: Path) -> int:
     return path.read_text().count("\n") if path.exists() else 0
 
 
-def kill_point(name: str, rows: tuple[int, int]) -> tuple[int, float]:
+def choose_kill_point(name: str, rows: tuple[int, int]) -> tuple[int, float]:
     """A reproducible random kill point: after how many metrics rows, then how many seconds into the next step."""
     rng = random.Random(f"{KILL_SEED}-{name}")
     return rng.randint(*rows), rng.uniform(0, 0.3)
@@ -129,7 +129,7 @@ def test_reward_checkpoints_keep_the_newest_two_and_each_is_complete(reward_refe
 @pytest.mark.parametrize("kill_point", range(KILL_POINTS))
 def test_reward_resume_after_sigkill_is_bit_identical(tiny_assets, reward_reference, tmp_path, kill_point):
     output_dir = tmp_path / "run"
-    rows, delay = kill_point(f"reward-{kill_point}", (3, 7))  # of 9 rows: normalization before, steps 1-8
+    rows, delay = choose_kill_point(f"reward-{kill_point}", (3, 7))  # of 9 rows: normalization before, steps 1-8
     flags = reward_flags(tiny_assets, output_dir)
     returncode, output = run_and_interrupt(REWARD, flags, output_dir, signal.SIGKILL, rows, delay)
     assert returncode == -signal.SIGKILL, output[-3000:]  # really killed, not finished
@@ -202,7 +202,7 @@ def test_policy_resume_after_sigkill_is_bit_identical(
 ):
     output_dir = tmp_path / "run"
     flags = policy_flags(tiny_assets, reward_reference / "reward_model", output_dir)
-    rows, delay = kill_point(f"policy-{kill_point}", (2, 7))  # of 9 rows: updates 1-8, the closing sync row
+    rows, delay = choose_kill_point(f"policy-{kill_point}", (2, 7))  # of 9 rows: updates 1-8, the closing sync row
     returncode, output = run_and_interrupt(POLICY, flags, output_dir, signal.SIGKILL, rows, delay)
     assert returncode == -signal.SIGKILL, output[-3000:]
     result = run_script(POLICY, *flags, "--resume")
@@ -239,7 +239,7 @@ def test_policy_two_processes_resume_after_sigkill_is_bit_identical(
 ):
     output_dir = tmp_path / "run"
     flags = policy_flags(tiny_assets, reward_reference / "reward_model", output_dir)
-    rows, delay = kill_point(f"two-{kill_point}", (2, 7))
+    rows, delay = choose_kill_point(f"two-{kill_point}", (2, 7))
     returncode, output = run_and_interrupt(POLICY, flags, output_dir, signal.SIGKILL, rows, delay, nproc=2)
     assert returncode == -signal.SIGKILL, output[-3000:]
     # each process's RNG state and query-stream position are in the checkpoint
