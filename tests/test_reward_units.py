@@ -5,6 +5,7 @@ subprocess. Every expected number is written out by hand (the derivation is in t
 """
 
 import ast
+import contextlib
 import json
 import math
 
@@ -331,10 +332,13 @@ def test_main_uses_linear_lr_for_the_schedule():
 
 
 class IdentityAccelerator:
-    """One process: reduce over processes and unwrap are identities."""
+    """One process in fp32: reduce over processes, unwrap and autocast are identities."""
 
     def unwrap_model(self, model):
         return model
+
+    def autocast(self):
+        return contextlib.nullcontext()
 
     def reduce(self, tensor, reduction="mean"):
         assert reduction == "mean"
