@@ -608,11 +608,6 @@ class QueryStream:
         self.epoch, self.position, self.produced_in_epoch = state["epoch"], state["position"], state["produced"]
         self.buffer, self.order = [list(query) for query in state["buffer"]], self._epoch_order()
 
-    def require_a_query(self) -> None:
-        """Fail now, before any model is loaded, if no text of the dataset yields a query (the stream is left as it
-        was: a throwaway copy does the search)."""
-        QueryStream(self.texts, self.tokenizer, self.task, self.pad_id, self.seed, text_ids=self.text_ids).next_batch(1)
-
     def format(self, queries: torch.Tensor) -> torch.Tensor:
         """The policy's contexts prefix ⊕ query ⊕ suffix (OAI's query_formatter): (B, prefix + query_length + suffix),
         left-padded again, which moves the query's pads (now between prefix and query) to the front. OAI's reward
@@ -1242,7 +1237,7 @@ def main(args: Args) -> None:
     if args.resume:
         check_resume_args(output_dir, args)
     texts = load_query_texts(args.task)[args.task.query_field]
-    QueryStream(texts, tokenizer, args.task, pad_id, args.seed).require_a_query()
+    QueryStream(texts, tokenizer, args.task, pad_id, args.seed).next_batch(1)  # no query: fail before any model loads
     stop = StopSignal()
     accelerator = Accelerator(
         gradient_accumulation_steps=args.ppo.gradient_accumulation_steps, mixed_precision=args.mixed_precision

@@ -113,15 +113,23 @@ def tiny_assets(gpt2_tokenizer_dir, tmp_path_factory) -> dict[str, Path]:
     )
 
 
+def script_command(script: str, flags, nproc: int = 1) -> list[str]:
+    """The command line of a training script: python, or torchrun for several CPU processes."""
+    if nproc == 1:
+        return [sys.executable, str(REPO / script), *flags]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            str(REPO / script), *flags]  # fmt: skip
+
+
+def script_environment(nproc: int = 1, env=None) -> dict:
+    """CPU, offline, and one thread per process when several share the cores."""
+    return {**os.environ, "ACCELERATE_USE_CPU": "true", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
+            "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"), **(env or {})}  # fmt: skip
+
+
 def run_script(script: str, *flags: str, nproc: int = 1, timeout: int = 600, env=None) -> subprocess.CompletedProcess:
     """Run a training script like a user would, in a subprocess (torchrun for several CPU processes)."""
-    if nproc == 1:
-        command = [sys.executable, str(REPO / script), *flags]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                   str(REPO / script), *flags]  # fmt: skip
-    environment = {**os.environ, "ACCELERATE_USE_CPU": "true", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
-                   "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"), **(env or {})}  # fmt: skip
+    command, environment = script_command(script, flags, nproc), script_environment(nproc, env)
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment, cwd=REPO)
     if result.returncode != 0:
         print(result.stdout[-5000:], result.stderr[-5000:])

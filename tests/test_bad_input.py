@@ -66,18 +66,7 @@ def test_query_datasets_that_yield_no_query(tiny_assets, tmp_path, script, conte
     queries.write_text(content)
     common = ["--base-model", str(tiny_assets["model"]), "--task.query-dataset", str(queries),
               "--task.start-text", "zebra", "--output-dir", str(tmp_path / "out")]  # fmt: skip
-    if script == REWARD:
-        flags = [
-            *common,
-            "--label-dataset",
-            str(tiny_assets["labels"]),
-            "--labels.num-train",
-            "16",
-            "--batch-size",
-            "8",
-        ]
-    else:
-        flags = [*common, "--rewards.trained-model", str(make_fake_reward_model(tiny_assets, tmp_path))]
+    flags = [*common, *script_inputs(script, tiny_assets, tmp_path)]
     start = time.time()
     result = run_script(script, *flags)
     check_one_line_error(result, "--task.query-dataset")
@@ -95,6 +84,13 @@ def make_fake_reward_model(tiny_assets, tmp_path, fingerprint=None):
             "tokenizer_fingerprint": fingerprint or P.tokenizer_fingerprint(tokenizer)}  # fmt: skip
     (directory / "reward_model.json").write_text(json.dumps(info))
     return directory
+
+
+def script_inputs(script: str, tiny_assets, tmp_path) -> list[str]:
+    """What each script reads besides the base model and queries: labels, or a reward model."""
+    if script == REWARD:
+        return ["--label-dataset", str(tiny_assets["labels"]), "--labels.num-train", "16", "--batch-size", "8"]
+    return ["--rewards.trained-model", str(make_fake_reward_model(tiny_assets, tmp_path))]
 
 
 def test_reward_model_trained_with_another_tokenizer(tiny_assets, tmp_path):
@@ -126,10 +122,7 @@ def test_base_model_that_is_not_a_causal_lm(tiny_assets, tmp_path, script):
             (not_causal / name).write_bytes(source.read_bytes())
     flags = ["--base-model", str(not_causal), "--task.query-dataset", str(tiny_assets["corpus"]),
              "--output-dir", str(tmp_path / "out")]  # fmt: skip
-    if script == REWARD:
-        flags += ["--label-dataset", str(tiny_assets["labels"]), "--labels.num-train", "16", "--batch-size", "8"]
-    else:
-        flags += ["--rewards.trained-model", str(make_fake_reward_model(tiny_assets, tmp_path))]
+    flags += script_inputs(script, tiny_assets, tmp_path)
     result = run_script(script, *flags)
     check_one_line_error(result, "--base-model", "causal")
     assert not (tmp_path / "out").exists()
@@ -161,10 +154,7 @@ def test_output_directory_with_a_finished_run(tiny_assets, tmp_path, script, mar
     (tmp_path / "out" / marker / "keep.txt").write_text("mine")
     flags = ["--base-model", str(tiny_assets["model"]), "--task.query-dataset", str(tiny_assets["corpus"]),
              "--output-dir", str(tmp_path / "out")]  # fmt: skip
-    if script == REWARD:
-        flags += ["--label-dataset", str(tiny_assets["labels"]), "--labels.num-train", "16", "--batch-size", "8"]
-    else:
-        flags += ["--rewards.trained-model", str(make_fake_reward_model(tiny_assets, tmp_path))]
+    flags += script_inputs(script, tiny_assets, tmp_path)
     result = run_script(script, *flags)
     check_one_line_error(result, "--output-dir", "finished run", "--overwrite")
     assert (tmp_path / "out" / marker / "keep.txt").read_text() == "mine"
@@ -176,10 +166,7 @@ def test_unwritable_output_directory(tiny_assets, tmp_path, script):
     blocker.write_text("not a directory")
     flags = ["--base-model", str(tiny_assets["model"]), "--task.query-dataset", str(tiny_assets["corpus"]),
              "--output-dir", str(blocker / "out")]  # fmt: skip
-    if script == REWARD:
-        flags += ["--label-dataset", str(tiny_assets["labels"]), "--labels.num-train", "16", "--batch-size", "8"]
-    else:
-        flags += ["--rewards.trained-model", str(make_fake_reward_model(tiny_assets, tmp_path))]
+    flags += script_inputs(script, tiny_assets, tmp_path)
     start = time.time()
     result = run_script(script, *flags)
     check_one_line_error(result, "--output-dir", "not writable")

@@ -12,31 +12,18 @@ import random
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, read_jsonl, run_script
+from conftest import REPO, read_jsonl, run_script, script_command, script_environment
 from safetensors.torch import load_file
 
 REWARD = "train_reward_accelerate.py"
 POLICY = "train_policy_accelerate.py"
 KILL_SEED = int(os.environ.get("RESUME_TEST_SEED", "0"))  # the random kill points are reproducible
 KILL_POINTS = int(os.environ.get("RESUME_KILL_POINTS", "1"))  # more for a fault-injection sweep (see the README)
-
-
-def environment(nproc: int) -> dict:
-    return {**os.environ, "ACCELERATE_USE_CPU": "true", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
-            "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2")}  # fmt: skip
-
-
-def command(script: str, flags: list[str], nproc: int) -> list[str]:
-    if nproc == 1:
-        return [sys.executable, str(REPO / script), *flags]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            str(REPO / script), *flags]  # fmt: skip
 
 
 def reward_flags(assets, output_dir, *extra):
@@ -76,7 +63,7 @@ def choose_kill_point(name: str, rows: tuple[int, int]) -> tuple[int, float]:
 def run_and_interrupt(script, flags, output_dir: Path, sig: int, after_rows: int = 0, delay: float = 0, nproc: int = 1):
     """Start a run, wait for its first checkpoint and for `after_rows` metrics rows, wait `delay` seconds more, then
     send `sig` to its whole process group (as Slurm or a node failure would); returns the exit status and output."""
-    process = subprocess.Popen(command(script, flags, nproc), env=environment(nproc), cwd=REPO, start_new_session=True,
+    process = subprocess.Popen(script_command(script, flags, nproc), env=script_environment(nproc), cwd=REPO, start_new_session=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     deadline = time.time() + 300
     while process.poll() is None and time.time() < deadline:
@@ -277,9 +264,9 @@ def test_when_one_of_two_processes_dies_the_other_exits_with_an_error_in_bounded
     )
     processes = []
     for rank in range(2):
-        env = {**environment(2), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+        env = {**script_environment(2), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}  # fmt: skip
-        processes.append(subprocess.Popen(command(POLICY, flags, 1), env=env, cwd=REPO, stdout=subprocess.PIPE,
+        processes.append(subprocess.Popen(script_command(POLICY, flags), env=env, cwd=REPO, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))  # fmt: skip
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 300

@@ -247,19 +247,28 @@ def write_tiny_task_data(directory: Path, query_length: int = 64, response_lengt
     return label_file, query_file
 
 
-def test_real_scripts_two_seed_array(slurm_cluster, tmp_path, tiny_model_dir):
+def tiny_chain(tmp_path: Path, model_dir: Path, num_labels: int, policy_flags: str) -> tuple[Path, Path, str, str]:
+    """(runs dir, log dir, reward command, policy command) of one seed's chain on the tiny model; `{seed}` is filled
+    in by the launcher."""
     label_file, query_file = write_tiny_task_data(tmp_path)
     runs, logs = tmp_path / "runs", tmp_path / "logs"
     python = sys.executable
     reward = (
-        f"{python} train_reward_accelerate.py --base-model {tiny_model_dir} --label-dataset {label_file} "
-        f"--task.query-dataset {query_file} --labels.num-train 64 --batch-size 8 --rollout-batch-size 16 "
+        f"{python} train_reward_accelerate.py --base-model {model_dir} --label-dataset {label_file} "
+        f"--task.query-dataset {query_file} --labels.num-train {num_labels} --batch-size 8 --rollout-batch-size 16 "
         f"--normalize-samples 16 --output-dir {runs}/reward_{{seed}}"
     )
     policy = (
-        f"{python} train_policy_accelerate.py --base-model {tiny_model_dir} "
+        f"{python} train_policy_accelerate.py --base-model {model_dir} "
         f"--rewards.trained-model {runs}/reward_{{seed}}/reward_model --task.query-dataset {query_file} "
-        f"--ppo.total-episodes 32 --ppo.batch-size 16 --ppo.noptepochs 1 --output-dir {runs}/policy_{{seed}}"
+        f"{policy_flags} --output-dir {runs}/policy_{{seed}}"
+    )
+    return runs, logs, reward, policy
+
+
+def test_real_scripts_two_seed_array(slurm_cluster, tmp_path, tiny_model_dir):
+    runs, logs, reward, policy = tiny_chain(
+        tmp_path, tiny_model_dir, 64, "--ppo.total-episodes 32 --ppo.batch-size 16 --ppo.noptepochs 1"
     )
     offline = (
         "export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled OMP_NUM_THREADS=1"
@@ -293,19 +302,11 @@ def test_real_policy_script_requeued_mid_run_resumes_from_its_checkpoint(slurm_c
     """Preemption as Slurm does it: `scontrol requeue` stops the running task (SIGTERM, then SIGKILL after KillWait);
     the requeued task gets --resume and the script continues from its newest checkpoint to the end, with exactly one
     metrics row per update."""
-    label_file, query_file = write_tiny_task_data(tmp_path)
-    runs, logs = tmp_path / "runs", tmp_path / "logs"
-    python = sys.executable
-    reward = (
-        f"{python} train_reward_accelerate.py --base-model {tiny_model_dir} --label-dataset {label_file} "
-        f"--task.query-dataset {query_file} --labels.num-train 16 --batch-size 8 --rollout-batch-size 16 "
-        f"--normalize-samples 16 --output-dir {runs}/reward_{{seed}}"
-    )
-    policy = (
-        f"{python} train_policy_accelerate.py --base-model {tiny_model_dir} "
-        f"--rewards.trained-model {runs}/reward_{{seed}}/reward_model --task.query-dataset {query_file} "
-        f"--ppo.total-episodes 480 --ppo.batch-size 16 --ppo.noptepochs 1 --checkpoint-every 2 "
-        f"--output-dir {runs}/policy_{{seed}}"
+    runs, logs, reward, policy = tiny_chain(
+        tmp_path,
+        tiny_model_dir,
+        16,
+        "--ppo.total-episodes 480 --ppo.batch-size 16 --ppo.noptepochs 1 --checkpoint-every 2",
     )
     offline = "export HF_HUB_OFFLINE=1 WANDB_MODE=disabled OMP_NUM_THREADS=1"
     result = launch(

@@ -5,6 +5,7 @@ the bare query, label files of the summarization shape load, and a tiny tldr run
 import ast
 import json
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -370,6 +371,23 @@ def test_unsupported_label_types_are_a_one_line_error(tmp_path, tokenizer, recor
 # end to end: tldr on synthetic local data (reward model with simulated labels, then PPO)
 
 
+def run_tiny_summarization(task: str, dataset: Path, tiny_assets, tmp_path, *reward_extra: str) -> tuple[Path, Path]:
+    """The task's reward model on simulated labels, then 2 PPO updates against it; tiny lengths, data and model."""
+    task_flags = ["--task.name", task, "--task.query-dataset", str(dataset), "--task.query-length", "48",
+                  "--task.response-length", "16", "--task.truncate-after", "8", "--base-model", str(tiny_assets["model"])]  # fmt: skip
+    reward_dir, policy_dir = tmp_path / "reward", tmp_path / "policy"
+    result = run_script("train_reward_accelerate.py", *task_flags, "--labels.source", "sentiment",
+                        "--labels.num-train", "32", "--labels.simulated-num-test", "16", "--rollout-batch-size", "16",
+                        "--normalize-samples", "16", "--output-dir", str(reward_dir), *reward_extra)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_script("train_policy_accelerate.py", *task_flags, "--rewards.trained-model",
+                        str(reward_dir / "reward_model"), "--ppo.batch-size", "16", "--ppo.total-episodes", "32",
+                        "--print-sample-output-freq", "1", "--output-dir", str(policy_dir))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (policy_dir / "policy").is_dir()
+    return reward_dir, policy_dir
+
+
 def test_tiny_tldr_run_end_to_end(tiny_assets, tmp_path):
     """~70 s on 2 cores. Only the lengths, the data and the model are not tldr's (the tiny model never writes the
     truncate token '\n', so every score is the penalty: the run checks plumbing, not learning)."""
@@ -377,13 +395,7 @@ def test_tiny_tldr_run_end_to_end(tiny_assets, tmp_path):
     lines = synthetic_sentences(200, seed=3)
     posts.write_text("".join(json.dumps({"content": f"{a}\n\n\n{b}", "summary": "x"}) + "\n"
                              for a, b in zip(lines[::2], lines[1::2], strict=True)))  # fmt: skip
-    task_flags = ["--task.name", "tldr", "--task.query-dataset", str(posts), "--task.query-length", "48",
-                  "--task.response-length", "16", "--task.truncate-after", "8", "--base-model", str(tiny_assets["model"])]  # fmt: skip
-    reward_dir = tmp_path / "reward"
-    result = run_script("train_reward_accelerate.py", *task_flags, "--labels.source", "sentiment",
-                        "--labels.num-train", "32", "--labels.simulated-num-test", "16", "--rollout-batch-size", "16",
-                        "--normalize-samples", "16", "--no-normalize-before", "--output-dir", str(reward_dir))  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    reward_dir, policy_dir = run_tiny_summarization("tldr", posts, tiny_assets, tmp_path, "--no-normalize-before")
     args = json.loads((reward_dir / "args.json").read_text())
     task_args = (args["task"]["query_suffix"], args["task"]["truncate_token"], args["task"]["temperature"])
     assert task_args == ("\n\nTL;DR:", "\n", 0.7)
@@ -393,11 +405,6 @@ def test_tiny_tldr_run_end_to_end(tiny_assets, tmp_path):
     rows = read_jsonl(reward_dir / "metrics.jsonl")
     assert any("test/accuracy" in row for row in rows) and any("normalization/after/std" in row for row in rows)
 
-    policy_dir = tmp_path / "policy"
-    result = run_script("train_policy_accelerate.py", *task_flags, "--rewards.trained-model",
-                        str(reward_dir / "reward_model"), "--ppo.batch-size", "16", "--ppo.total-episodes", "32",
-                        "--print-sample-output-freq", "1", "--output-dir", str(policy_dir))  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
     args = json.loads((policy_dir / "args.json").read_text())
     ppo_args = (args["ppo"]["lr"], args["ppo"]["whiten_rewards"], args["rewards"]["use_adaptive_kl"])
     assert ppo_args == (2e-6, False, False) and args["task"]["query_suffix"] == "\n\nTL;DR:"
@@ -406,7 +413,6 @@ def test_tiny_tldr_run_end_to_end(tiny_assets, tmp_path):
     assert all(row["objective/kl_coef"] == 0.03 for row in updates)  # fixed, tldr's
     samples = read_jsonl(policy_dir / "samples.jsonl")
     assert samples and all("TL;DR" not in sample["query"] for sample in samples)  # the bare query is logged
-    assert (policy_dir / "policy").is_dir()
 
 
 def test_tiny_cnndm_run_end_to_end(tiny_assets, tmp_path):
@@ -418,13 +424,7 @@ def test_tiny_cnndm_run_end_to_end(tiny_assets, tmp_path):
     header = "By . Daily Mail Reporter . PUBLISHED: . 15:36 EST, 25 October 2013 . | . LONDON, England (CNN) -- "
     articles.write_text("".join(json.dumps({"article": f"{header}{a} {b} @highlight The highlight.", "id": str(i)}) + "\n"
                                 for i, (a, b) in enumerate(zip(lines[::2], lines[1::2], strict=True))))  # fmt: skip
-    task_flags = ["--task.name", "cnndm", "--task.query-dataset", str(articles), "--task.query-length", "48",
-                  "--task.response-length", "16", "--task.truncate-after", "8", "--base-model", str(tiny_assets["model"])]  # fmt: skip
-    reward_dir = tmp_path / "reward"
-    result = run_script("train_reward_accelerate.py", *task_flags, "--labels.source", "sentiment",
-                        "--labels.num-train", "32", "--labels.simulated-num-test", "16", "--rollout-batch-size", "16",
-                        "--normalize-samples", "16", "--output-dir", str(reward_dir))  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    reward_dir, policy_dir = run_tiny_summarization("cnndm", articles, tiny_assets, tmp_path)
     args = json.loads((reward_dir / "args.json").read_text())
     task_args = (args["task"]["query_prefix"], args["task"]["query_suffix"], args["task"]["temperature"])
     assert task_args == ("Article:\n\n", "\n\nTL;DR:", 0.5)
@@ -435,11 +435,6 @@ def test_tiny_cnndm_run_end_to_end(tiny_assets, tmp_path):
     for junk in ("Article:", "TL;DR", "(CNN)", "PUBLISHED", "Daily Mail Reporter", "@highlight", "highlight."):
         assert not any(junk in query for query in queries), junk  # bare, cleaned queries for the reward model
 
-    policy_dir = tmp_path / "policy"
-    result = run_script("train_policy_accelerate.py", *task_flags, "--rewards.trained-model",
-                        str(reward_dir / "reward_model"), "--ppo.batch-size", "16", "--ppo.total-episodes", "32",
-                        "--print-sample-output-freq", "1", "--output-dir", str(policy_dir))  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
     args = json.loads((policy_dir / "args.json").read_text())
     ppo_args = (args["ppo"]["lr"], args["ppo"]["whiten_rewards"], args["rewards"]["use_adaptive_kl"])
     assert ppo_args == (2e-6, False, False) and args["task"]["query_prefix"] == "Article:\n\n"
@@ -448,4 +443,3 @@ def test_tiny_cnndm_run_end_to_end(tiny_assets, tmp_path):
     assert all(row["objective/kl_coef"] == 0.01 for row in updates)  # fixed, cnndm's
     samples = read_jsonl(policy_dir / "samples.jsonl")
     assert samples and all("Article:" not in s["query"] and "CNN" not in s["query"] for s in samples)
-    assert (policy_dir / "policy").is_dir()
