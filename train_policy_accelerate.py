@@ -28,6 +28,7 @@ import shutil
 import signal
 import socket
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, NoReturn, Optional
@@ -183,6 +184,13 @@ class Args:
     (benchmark/throughput.py measures a peak with a matmul benchmark)"""
     local_rollout_forward_batch_size: int = 64
     """rows per rollout generation / forward on one process (memory knob; does not change the math)"""
+    compile: bool = False
+    """torch.compile the policy's training forward (PPO epochs); the first update pays the compilation (tens of
+    seconds on a CPU), later ones run the compiled kernels; same math to float rounding"""
+    logprobs_from_generation: bool = False
+    """take the policy's rollout log-probs and values from generate()'s own forwards (the LM head's inputs and outputs
+    at each step) instead of one more policy forward over query ⊕ response: saves that forward; the KV-cached
+    forwards agree with the full one to float rounding, so PPO's first ratios are 1 ± ~1e-6 instead of exactly 1"""
     print_sample_output_freq: int = 10
     """print (and save to samples.jsonl) a table of sample responses every this many updates"""
     eval_every: int = 10
@@ -1001,6 +1009,23 @@ def response_logits(lm: nn.Module, hidden: torch.Tensor, temperature: float) -> 
     return F.linear(hidden / temperature, head.weight, bias)
 
 
+@contextmanager
+def recorded_head_steps(lm: nn.Module):
+    """Record the LM head's input (final hidden state) and output (logits) at the last position of every forward
+    while in the block: inside generate() one entry per sampled token, the entries of step t being the hidden state
+    and logits that predicted token t: yields a list of ((B, d), (B, V)) pairs."""
+    steps = []
+
+    def record(module, inputs, output):
+        steps.append((inputs[0][:, -1].clone(), output[:, -1].clone()))  # clone: don't keep a prefill's (B, C, V)
+
+    handle = lm.get_output_embeddings().register_forward_hook(record)
+    try:
+        yield steps
+    finally:
+        handle.remove()
+
+
 def lm_logits(lm: nn.Module, query_responses: torch.Tensor, context_length: int, pad_id: int, temperature: float):
     """detail: LM head only where needed — vocabulary logits of the response positions only, divided by the sampling
     temperature (detail: without it the KL grows too fast): (B, T, V)."""
@@ -1094,10 +1119,17 @@ def rollout(policy, ref_lm, reward_model, queries, contexts, truncate_token_id, 
     for start in range(0, queries.shape[0], args.local_rollout_forward_batch_size):
         rows = slice(start, start + args.local_rollout_forward_batch_size)
         query, context = queries[rows], contexts[rows]
-        response = generate_responses(policy.lm, context, pad_id, args.task.response_length, temperature)
+        with recorded_head_steps(policy.lm) if args.logprobs_from_generation else nullcontext([]) as steps:
+            response = generate_responses(policy.lm, context, pad_id, args.task.response_length, temperature)
         timer("time/generation")
         query_response = torch.cat([context, response], 1)  # (b, C' + T), C' = prefix + C + suffix
-        logits, value = policy(query_response, context_length, pad_id, temperature)
+        if args.logprobs_from_generation:
+            assert len(steps) == response.shape[1], f"{len(steps)} LM-head calls for {response.shape[1]} tokens"
+            hidden = torch.stack([step[0] for step in steps], 1)  # (b, T, d)
+            logits = torch.stack([step[1] for step in steps], 1)  # (b, T, V)
+            logits, value = logits.float() / temperature, policy.value_head(hidden).squeeze(-1)
+        else:
+            logits, value = policy(query_response, context_length, pad_id, temperature)
         logprobs = logprobs_from_logits(logits, response)
         ref_logprobs = logprobs_from_logits(
             lm_logits(ref_lm, query_response, context_length, pad_id, temperature), response
@@ -1260,6 +1292,7 @@ def main(args: Args) -> None:
     optimizer = make_optimizer(policy.parameters(), args.ppo.lr, args.ppo.eps, args.use_tensorflow_adam)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     unwrapped = accelerator.unwrap_model(policy)
+    train_forward = torch.compile(policy) if args.compile else policy  # fixed shapes: compiled once
     trunk_params = trunk_parameters(unwrapped.lm)
     head_flops = 2 * unwrapped.lm.config.hidden_size * unwrapped.lm.get_output_embeddings().weight.shape[0]
     torch.manual_seed(args.seed + accelerator.process_index * RANK_SEED_STRIDE)  # detail: per-process sampling seed
@@ -1353,7 +1386,9 @@ def main(args: Args) -> None:
                     micro = slice(micro_start, micro_start + args.micro_batch_size)
                     ids = mini_ids[micro]
                     with accelerator.accumulate(policy):
-                        logits, vpred = policy(query_responses[ids], context_length, pad_id, args.task.temperature)
+                        logits, vpred = train_forward(
+                            query_responses[ids], context_length, pad_id, args.task.temperature
+                        )
                         new_logprobs, entropy = logprobs_from_logits(logits, responses[ids], with_entropy=True)
                         loss, stats = ppo_losses(
                             new_logprobs,

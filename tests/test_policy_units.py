@@ -429,3 +429,45 @@ def test_trunk_parameters_count_what_a_token_multiplies_with():
     lm = GPT2LMHeadModel(GPT2Config(vocab_size=1000, n_layer=2, n_embd=d, n_head=4, n_positions=64))
     assert P.trunk_parameters(lm) == 64 * d + 2 * (12 * d * d + 13 * d) + 2 * d == 104192
     assert P.trunk_parameters(lm.transformer) == 104192  # the reward model's backbone: no LM head at all
+
+
+class ZeroReward(nn.Module):
+    def __init__(self, pad_id: int):
+        super().__init__()
+        self.pad_id = pad_id
+
+    def forward(self, query_responses: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(len(query_responses))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_logprobs_from_generation_match_the_recomputed_ones_and_skip_the_policy_forward(kind, monkeypatch):
+    """--logprobs-from-generation: the LM head's inputs/outputs recorded inside generate() give the same log-probs
+    and values as the rollout's extra policy forward over query ⊕ response (to fp32 rounding), and that forward is
+    not run. Left-padded contexts, 2 rollout chunks, a value head with non-zero weights."""
+    lm = make_lm(kind)
+    P.disable_eos_stopping(lm)
+    pad_id = lm.config.vocab_size
+    policy, ref_lm = P.PolicyAndValueWrapper(lm), make_lm(kind)
+    torch.manual_seed(1)
+    nn.init.normal_(policy.value_head.weight)
+    contexts = torch.randint(0, 1000, (5, 6), generator=torch.Generator().manual_seed(0))
+    contexts[1, :2] = pad_id
+    contexts[3, :5] = pad_id
+    args = P.Args(local_rollout_forward_batch_size=3)
+    args.task = P.TaskHParams(response_length=5, truncate_after=1, temperature=0.7, penalty_reward_value=-1.0)
+    results, policy_calls = {}, []
+    monkeypatch.setattr(
+        P.PolicyAndValueWrapper, "__call__", lambda self, *a: policy_calls.append(a) or self.forward(*a)
+    )
+    for from_generation in (False, True):
+        args.logprobs_from_generation = from_generation
+        torch.manual_seed(0)
+        results[from_generation] = P.rollout(policy, ref_lm, ZeroReward(pad_id), contexts, contexts, 1, args)
+    assert len(policy_calls) == 2  # the two chunks of the recomputing rollout, none with the flag
+    off, on = results[False], results[True]
+    assert torch.equal(off["responses"], on["responses"])  # sampling untouched by the recording
+    assert off["logprobs"].abs().min() > 0.1 and off["values"].abs().max() > 0.1  # numbers worth comparing
+    torch.testing.assert_close(on["logprobs"], off["logprobs"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(on["values"], off["values"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(on["ref_logprobs"], off["ref_logprobs"], atol=0, rtol=0)
