@@ -22,3 +22,16 @@ def test_throughput_harness_reports_both_stages(gpt2_tokenizer_dir):
     assert set(policy["phases"]) == {"time/generation", "time/logprobs", "time/scoring", "time/ppo_epochs"}
     assert abs(sum(policy["phases"].values()) - policy["seconds_per_update"]) < 1e-6
     assert 0 < policy["mfu_ppo_epochs"] < 1 and policy["peak_memory_gb"] > 0
+
+
+def test_optimizations_benchmark_checks_each_pair_and_prints_the_table():
+    """benchmark/optimizations.py: every before/after pair computes the same result (checked before timing, so a
+    wrong "after" stops the run) and each detail gets a row with positive timings."""
+    command = [sys.executable, str(REPO / "benchmark" / "optimizations.py"), "--model", "tiny", "--batch-size", "2",
+               "--query-length", "8", "--response-length", "6", "--repeats", "1", "--padding-rows", "16",
+               "--metrics", "4"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 7 and all(row["before_s"] > 0 and row["after_s"] > 0 for row in rows)
+    assert result.stdout.count("× |") == 7  # the markdown table
