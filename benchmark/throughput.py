@@ -13,6 +13,7 @@ The first update / step is a warm-up and is excluded; the numbers are medians ov
 
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -60,8 +61,9 @@ class Args:
     """PPO epochs per update"""
     peak_tflops: Optional[float] = None
     """the device's peak in TFLOP/s for MFU; default: measured with a short fp32 matmul benchmark"""
-    extra: tuple[str, ...] = ()
-    """more flags for the training scripts, e.g. --extra --local-rollout-forward-batch-size --extra 8"""
+    extra: str = ""
+    """more flags for the training script(s), one string (note the '='): --extra="--mixed-precision bf16"; with
+    --stage policy they go to the policy script only"""
 
 
 def measure_peak_tflops(device: torch.device) -> float:
@@ -146,7 +148,10 @@ def main(args: Args) -> None:
                         "--eval-batch-size", str(args.eval_labels), "--print-sample-output-freq", str(10**9),
                         "--rollout-batch-size", str(args.batch_size), "--normalize-samples", str(args.batch_size),
                         "--no-normalize-after"]  # fmt: skip
-        run("train_reward_accelerate.py", [*reward_flags, *args.extra] if args.stage != "policy" else reward_flags)
+        run(
+            "train_reward_accelerate.py",
+            [*reward_flags, *shlex.split(args.extra)] if args.stage != "policy" else reward_flags,
+        )
         if args.stage in ("reward", "both"):
             rows = [row for row in map(json.loads, (root / "reward" / "metrics.jsonl").open()) if "train/loss" in row]
             step = median(rows[1:], "time/train_step")
@@ -161,7 +166,7 @@ def main(args: Args) -> None:
             policy_flags = [*common, "--rewards.trained-model", str(root / "reward" / "reward_model"),
                             "--output-dir", str(root / "policy"), "--ppo.batch-size", str(args.batch_size),
                             "--ppo.total-episodes", str(steps * args.batch_size), "--ppo.noptepochs",
-                            str(args.noptepochs), "--print-sample-output-freq", str(10**9), *args.extra]  # fmt: skip
+                            str(args.noptepochs), "--print-sample-output-freq", str(10**9), *shlex.split(args.extra)]  # fmt: skip
             run("train_policy_accelerate.py", policy_flags)
             rows = [
                 row for row in map(json.loads, (root / "policy" / "metrics.jsonl").open()) if "time/generation" in row

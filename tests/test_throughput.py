@@ -11,7 +11,7 @@ from conftest import REPO
 def test_throughput_harness_reports_both_stages(gpt2_tokenizer_dir):
     command = [sys.executable, str(REPO / "benchmark" / "throughput.py"), "--model", "tiny", "--batch-size", "8",
                "--query-length", "16", "--response-length", "12", "--updates", "1", "--eval-labels", "32",
-               "--noptepochs", "2"]  # fmt: skip
+               "--noptepochs", "2", "--extra=--local-rollout-forward-batch-size 4"]  # fmt: skip
     env = {**os.environ, "ACCELERATE_USE_CPU": "true"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
