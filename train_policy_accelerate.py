@@ -1440,8 +1440,9 @@ def main(args: Args) -> None:
             forward = 2 * trunk_params * query_responses.numel() + head_flops * responses.numel()
             train, peak = ppo.noptepochs * 3 * forward, args.peak_tflops * 1e12
             row["time/mfu_ppo_epochs"] = train / timer.times["time/ppo_epochs"] / peak
-            # generation, policy and reference log-probs, scoring: about 4 more forwards
-            row["time/mfu_update"] = (train + 4 * forward) / sum(timer.times.values()) / peak
+            # generation, policy (unless --logprobs-from-generation) and reference log-probs, scoring: ~4 forwards
+            rollout_forwards = 3 if args.logprobs_from_generation else 4
+            row["time/mfu_update"] = (train + rollout_forwards * forward) / sum(timer.times.values()) / peak
         if eval_queries is not None and (update % args.eval_every == 0 or update == args.num_updates):
             row.update(run_eval(update))
         if update % args.print_sample_output_freq == 0 or update == 1 or update == args.num_updates:
