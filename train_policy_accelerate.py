@@ -798,15 +798,25 @@ class RunLogger:
         if track:
             import wandb
 
+            # --resume continues the same wandb run: its id is kept next to the logs
+            id_file = output_dir / "wandb_run_id"
+            run_id = id_file.read_text().strip() if args.resume and id_file.is_file() else os.urandom(4).hex()
+            write_text_atomic(id_file, run_id)
             self.wandb = wandb.init(
-                project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name, config=asdict(args)
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                name=args.run_name,
+                config=asdict(args),
+                id=run_id,
+                resume="allow",
             )
+            self.first_new_step = self.wandb.step  # 0, or one past the steps an interrupted attempt already sent
 
     def log(self, row: dict, step: int) -> None:
         if self.enabled:
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
-            if self.wandb is not None:
+            if self.wandb is not None and step >= self.first_new_step:  # a resumed run repeats the same rows
                 self.wandb.log(row, step=step)
 
     def table(self, title: str, columns: list[str], rows: list[list]) -> None:

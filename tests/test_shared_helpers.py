@@ -195,3 +195,37 @@ def test_help_renders(help_outputs, kind, flags):
         assert flag in stdout, flag
     for derived in ("--world-size", "--local-batch-size", "--num-updates", "--run-name"):
         assert derived not in stdout, f"derived value {derived} shown in --help"
+
+
+def test_tracked_resume_continues_the_same_wandb_run(tmp_path, monkeypatch):
+    """--track: a fresh run gets a new wandb id (kept in OUTPUT_DIR/wandb_run_id); --resume reuses it, and rows of
+    steps the interrupted attempt already sent are not sent again (the resumed run recomputes the same rows)."""
+    import types
+
+    import train_policy_accelerate as P
+
+    inits, logged = [], []
+
+    class FakeRun:
+        def __init__(self, step):
+            self.step = step
+
+        def log(self, row, step):
+            logged.append(step)
+
+    def init(**kwargs):
+        inits.append(kwargs)
+        return FakeRun(step=5 if len(inits) == 3 else 0)  # the server holds steps 0..4 of the resumed run
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    accelerator = types.SimpleNamespace(is_main_process=True)
+    for resume in (False, False, True):
+        args = P.Args(resume=resume, output_dir=str(tmp_path))
+        logger = P.RunLogger(accelerator, tmp_path, args, track=True)
+        logger.log({"x": 1.0}, step=4)
+        logger.log({"x": 2.0}, step=5)
+        logger.file.close()
+    first, fresh, resumed = (kwargs["id"] for kwargs in inits)
+    assert first != fresh and resumed == fresh == (tmp_path / "wandb_run_id").read_text()  # --overwrite: a new run
+    assert all(kwargs["resume"] == "allow" for kwargs in inits)
+    assert logged == [4, 5, 4, 5, 5]  # the resumed logger skips step 4, which wandb already has
