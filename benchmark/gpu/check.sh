@@ -4,8 +4,8 @@
 # TF32 + --compile + --logprobs-from-generation. Each configuration appends one JSON line to $RESULTS; a run that
 # fails or passes its time limit appends {"name": ..., "failed": ...} and the script goes on.
 #
-#   bash benchmark/gpu_check.sh                     # results in runs/gpu_check/results.jsonl
-#   MODELS="tiny" BATCH=16 ACCELERATE_USE_CPU=true bash benchmark/gpu_check.sh     # the same path on a CPU
+#   bash benchmark/gpu/check.sh                     # results in runs/gpu_check/results.jsonl
+#   MODELS="tiny" BATCH=16 ACCELERATE_USE_CPU=true bash benchmark/gpu/check.sh     # the same path on a CPU
 #
 # On a machine without PyPI or the Hub, prepare first where they are reachable: the GPT-2 tokenizer
 # (`python -c "from pathlib import Path; import quickstart; quickstart.prepare_gpt2_tokenizer(Path('.cache'))"`,
@@ -14,7 +14,7 @@
 # A full sentiment run is 1954 updates of 512 episodes (OpenAI: 4.8 h on 8 V100s), so its time on this GPU is about
 # 1954 × seconds_per_update of the fastest configuration (plus the reward model and held-out evaluations).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 MODELS=${MODELS:-"gpt2 gpt2-large"}
 BATCH=${BATCH:-512}
 UPDATES=${UPDATES:-2}
