@@ -63,22 +63,20 @@ def timed(function, repeats: int) -> float:
 
 
 # ---- "before": the straightforward versions ----------------------------------------------------------------------
+def padded_inputs(tokens: torch.Tensor, pad_id: int) -> dict:
+    """The same masked inputs as the scripts' padded_forward (pads masked, positions counting real tokens only)."""
+    mask = tokens != pad_id
+    return dict(input_ids=torch.where(mask, tokens, 0), attention_mask=mask, position_ids=mask.cumsum(1) - mask.long())
+
+
 def full_logits(lm, tokens, context_length: int, pad_id: int, temperature: float):
     """Vocabulary logits at every position, then the response positions sliced out."""
-    mask = tokens != pad_id
-    output = lm(input_ids=torch.where(mask, tokens, 0), attention_mask=mask, position_ids=mask.cumsum(1) - mask.long())
-    return output.logits[:, context_length - 1 : -1] / temperature
+    return lm(**padded_inputs(tokens, pad_id)).logits[:, context_length - 1 : -1] / temperature
 
 
 def reward_through_lm_head(lm, head, tokens, pad_id: int):
     """A reward model kept as a causal LM: the full forward (LM head over every position) for the last hidden state."""
-    mask = tokens != pad_id
-    output = lm(
-        input_ids=torch.where(mask, tokens, 0),
-        attention_mask=mask,
-        position_ids=mask.cumsum(1) - mask.long(),
-        output_hidden_states=True,
-    )
+    output = lm(**padded_inputs(tokens, pad_id), output_hidden_states=True)
     return head(output.hidden_states[-1][:, -1]).squeeze(-1)
 
 

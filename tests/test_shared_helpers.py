@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -200,10 +201,6 @@ def test_help_renders(help_outputs, kind, flags):
 def test_tracked_resume_continues_the_same_wandb_run(tmp_path, monkeypatch):
     """--track: a fresh run gets a new wandb id (kept in OUTPUT_DIR/wandb_run_id); --resume reuses it, and rows of
     steps the interrupted attempt already sent are not sent again (the resumed run recomputes the same rows)."""
-    import types
-
-    import train_policy_accelerate as P
-
     inits, logged = [], []
 
     class FakeRun:
@@ -220,8 +217,8 @@ def test_tracked_resume_continues_the_same_wandb_run(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
     accelerator = types.SimpleNamespace(is_main_process=True)
     for resume in (False, False, True):
-        args = P.Args(resume=resume, output_dir=str(tmp_path))
-        logger = P.RunLogger(accelerator, tmp_path, args, track=True)
+        args = train_policy_accelerate.Args(resume=resume, output_dir=str(tmp_path))
+        logger = train_policy_accelerate.RunLogger(accelerator, tmp_path, args, track=True)
         logger.log({"x": 1.0}, step=4)
         logger.log({"x": 2.0}, step=5)
         logger.file.close()
