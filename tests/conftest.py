@@ -102,14 +102,18 @@ def write_synthetic_labels(path: Path, tokenizer_dir: Path, n: int, seed: int = 
 
 @pytest.fixture(scope="session")
 def tiny_assets(gpt2_tokenizer_dir, tmp_path_factory) -> dict[str, Path]:
-    """Everything an offline end-to-end run needs: a tiny pretrained GPT-2, a query corpus and a label file."""
+    """Everything an offline end-to-end run needs: a tiny pretrained GPT-2, a query corpus and label files."""
     root = tmp_path_factory.mktemp("tiny")
     corpus = synthetic_sentences(600, seed=1)
     (root / "corpus.txt").write_text("\n".join(corpus) + "\n")
+    labels = write_synthetic_labels(root / "labels.json", gpt2_tokenizer_dir, 2200)
+    # short runs train on a few records and evaluate on all the others: 128 records keep their evaluation small
+    (root / "labels-128.json").write_text(json.dumps(json.loads(labels.read_text())[:128]))
     return dict(
         model=write_tiny_gpt2(root / "tiny-gpt2", gpt2_tokenizer_dir, corpus, steps=150),
         corpus=root / "corpus.txt",
-        labels=write_synthetic_labels(root / "labels.json", gpt2_tokenizer_dir, 2200),
+        labels=labels,
+        small_labels=root / "labels-128.json",
     )
 
 

@@ -1,15 +1,38 @@
-"""Bad input, caught early: each case runs a script as a user would and must end with a one-line error that names
-the flag or file, a non-zero exit, no traceback, and nothing written into the output directory."""
+"""Bad input, caught early: each case must end with a one-line error that names the flag or file, a non-zero exit,
+no traceback, and nothing written into the output directory.
 
+Every check here runs before the scripts create their Accelerator or load a model, so most cases call the script's
+`main` in this process (parsing the flags with the script's own tyro parser), which saves a Python + torch start per
+case; `test_unwritable_output_directory` runs both scripts as a user would, in a subprocess, and checks what the
+user sees on stderr."""
+
+import importlib
 import json
+import subprocess
 import time
+import traceback
 
 import pytest
+import tyro
 from conftest import run_script
 
 REWARD = "train_reward_accelerate.py"
 POLICY = "train_policy_accelerate.py"
 FAST = 60  # seconds: everything here fails before training starts (the tiny model loads in ~1 s)
+
+
+def run_in_process(script: str, *flags: str) -> subprocess.CompletedProcess:
+    """`script`'s main on `flags` in this process, reported like `run_script`: a `raise SystemExit(message)` is what
+    Python would print on stderr with exit status 1; any other exception is a traceback with status 1."""
+    module = importlib.import_module(script.removesuffix(".py"))
+    returncode, stderr = 0, ""
+    try:
+        module.main(tyro.cli(module.Args, args=list(flags)))
+    except SystemExit as stop:
+        returncode, stderr = (1, f"{stop.code}\n") if isinstance(stop.code, str) else (stop.code or 0, "")
+    except Exception:
+        returncode, stderr = 1, traceback.format_exc()
+    return subprocess.CompletedProcess([script, *flags], returncode, "", stderr)
 
 
 def check_one_line_error(result, *words: str) -> str:
@@ -54,7 +77,7 @@ def test_bad_label_files(reward_base, tmp_path, case):
     labels = tmp_path / "labels.json"
     LABEL_FILES[case](labels)
     start = time.time()
-    result = run_script(REWARD, *reward_base(labels))
+    result = run_in_process(REWARD, *reward_base(labels))
     check_one_line_error(result, "--label-dataset", str(labels))
     assert time.time() - start < FAST and not (tmp_path / "out").exists()
 
@@ -68,7 +91,7 @@ def test_query_datasets_that_yield_no_query(tiny_assets, tmp_path, script, conte
               "--task.start-text", "zebra", "--output-dir", str(tmp_path / "out")]  # fmt: skip
     flags = [*common, *script_inputs(script, tiny_assets, tmp_path)]
     start = time.time()
-    result = run_script(script, *flags)
+    result = run_in_process(script, *flags)
     check_one_line_error(result, "--task.query-dataset")
     assert time.time() - start < FAST
 
@@ -89,13 +112,13 @@ def make_fake_reward_model(tiny_assets, tmp_path, fingerprint=None):
 def script_inputs(script: str, tiny_assets, tmp_path) -> list[str]:
     """What each script reads besides the base model and queries: labels, or a reward model."""
     if script == REWARD:
-        return ["--label-dataset", str(tiny_assets["labels"]), "--labels.num-train", "16", "--batch-size", "8"]
+        return ["--label-dataset", str(tiny_assets["small_labels"]), "--labels.num-train", "16", "--batch-size", "8"]
     return ["--rewards.trained-model", str(make_fake_reward_model(tiny_assets, tmp_path))]
 
 
 def test_reward_model_trained_with_another_tokenizer(tiny_assets, tmp_path):
     reward_model = make_fake_reward_model(tiny_assets, tmp_path, fingerprint="another-vocabulary")
-    result = run_script(POLICY, "--base-model", str(tiny_assets["model"]), "--rewards.trained-model", str(reward_model),
+    result = run_in_process(POLICY, "--base-model", str(tiny_assets["model"]), "--rewards.trained-model", str(reward_model),
                         "--task.query-dataset", str(tiny_assets["corpus"]), "--output-dir", str(tmp_path / "out"))  # fmt: skip
     check_one_line_error(result, "--rewards.trained-model", "another tokenizer")
     assert not (tmp_path / "out").exists()
@@ -105,7 +128,7 @@ def test_reward_model_trained_with_another_tokenizer(tiny_assets, tmp_path):
 def test_base_model_directory_that_does_not_exist(tiny_assets, tmp_path, script):
     missing = tmp_path / "no-such-model"
     extra = ["--rewards.trained-model", str(tmp_path)] if script == POLICY else []
-    result = run_script(script, "--base-model", str(missing), "--output-dir", str(tmp_path / "out"), *extra)
+    result = run_in_process(script, "--base-model", str(missing), "--output-dir", str(tmp_path / "out"), *extra)
     check_one_line_error(result, "--base-model", str(missing))
 
 
@@ -123,7 +146,7 @@ def test_base_model_that_is_not_a_causal_lm(tiny_assets, tmp_path, script):
     flags = ["--base-model", str(not_causal), "--task.query-dataset", str(tiny_assets["corpus"]),
              "--output-dir", str(tmp_path / "out")]  # fmt: skip
     flags += script_inputs(script, tiny_assets, tmp_path)
-    result = run_script(script, *flags)
+    result = run_in_process(script, *flags)
     check_one_line_error(result, "--base-model", "causal")
     assert not (tmp_path / "out").exists()
 
@@ -142,7 +165,7 @@ def test_base_model_that_is_not_a_causal_lm(tiny_assets, tmp_path, script):
 )
 def test_inconsistent_flags(tmp_path, script, flags, words):
     start = time.time()
-    result = run_script(script, "--rewards.trained-model" if script == POLICY else "--exp-name",
+    result = run_in_process(script, "--rewards.trained-model" if script == POLICY else "--exp-name",
                         str(tmp_path) if script == POLICY else "x", "--output-dir", str(tmp_path / "out"), *flags)  # fmt: skip
     check_one_line_error(result, *words)
     assert time.time() - start < FAST and not (tmp_path / "out").exists()
@@ -155,7 +178,7 @@ def test_output_directory_with_a_finished_run(tiny_assets, tmp_path, script, mar
     flags = ["--base-model", str(tiny_assets["model"]), "--task.query-dataset", str(tiny_assets["corpus"]),
              "--output-dir", str(tmp_path / "out")]  # fmt: skip
     flags += script_inputs(script, tiny_assets, tmp_path)
-    result = run_script(script, *flags)
+    result = run_in_process(script, *flags)
     check_one_line_error(result, "--output-dir", "finished run", "--overwrite")
     assert (tmp_path / "out" / marker / "keep.txt").read_text() == "mine"
 

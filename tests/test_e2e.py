@@ -16,8 +16,8 @@ REWARD = "train_reward_accelerate.py"
 POLICY = "train_policy_accelerate.py"
 
 
-def reward_flags(assets, output_dir, *extra):
-    return ["--base-model", str(assets["model"]), "--label-dataset", str(assets["labels"]),
+def reward_flags(assets, output_dir, *extra, labels="labels"):
+    return ["--base-model", str(assets["model"]), "--label-dataset", str(assets[labels]),
             "--task.query-dataset", str(assets["corpus"]), "--output-dir", str(output_dir),
             "--rollout-batch-size", "32", "--normalize-samples", "32", "--batch-size", "16", *extra]  # fmt: skip
 
@@ -69,7 +69,8 @@ def test_saved_reward_model_reloads_and_scores_identically(reward_run):
 
 
 def small_reward_flags(assets, output_dir, *extra):
-    return reward_flags(assets, output_dir, "--labels.num-train", "32", "--print-sample-output-freq", "2", *extra)
+    return reward_flags(assets, output_dir, "--labels.num-train", "32", "--print-sample-output-freq", "2", *extra,
+                        labels="small_labels")  # fmt: skip
 
 
 def test_simulated_sentiment_labels_make_a_valid_label_file_and_train(tiny_assets, tmp_path):

@@ -57,7 +57,7 @@ def test_reward_loss_under_bf16_stays_within_tolerance_of_fp32():
 
 def test_both_scripts_run_end_to_end_with_bf16(tiny_assets, tmp_path):
     common = ["--base-model", str(tiny_assets["model"]), "--task.query-dataset", str(tiny_assets["corpus"])]
-    reward_flags = [*common, "--label-dataset", str(tiny_assets["labels"]), "--labels.num-train", "32",
+    reward_flags = [*common, "--label-dataset", str(tiny_assets["small_labels"]), "--labels.num-train", "32",
                     "--batch-size", "16", "--rollout-batch-size", "16", "--normalize-samples", "16",
                     "--no-normalize-before", "--print-sample-output-freq", "2"]  # fmt: skip
     losses = {}

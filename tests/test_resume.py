@@ -27,7 +27,7 @@ KILL_POINTS = int(os.environ.get("RESUME_KILL_POINTS", "1"))  # more for a fault
 
 
 def reward_flags(assets, output_dir, *extra):
-    return ["--base-model", str(assets["model"]), "--label-dataset", str(assets["labels"]),
+    return ["--base-model", str(assets["model"]), "--label-dataset", str(assets["small_labels"]),
             "--task.query-dataset", str(assets["corpus"]), "--output-dir", str(output_dir),
             "--labels.num-train", "64", "--batch-size", "8", "--lr", "3e-3", "--rollout-batch-size", "16",
             "--normalize-samples", "16", "--print-sample-output-freq", "3", "--checkpoint-every", "2", *extra]  # fmt: skip
