@@ -27,6 +27,7 @@ import re
 import shutil
 import signal
 import socket
+import sys
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
@@ -787,6 +788,27 @@ def parameter_spread(accelerator: Accelerator, model: nn.Module) -> float:
     return (checksums.max() - checksums.min()).item()
 
 
+def track_progress(iterable, description: str, enabled: bool, log_every_s: float = 60.0):
+    """rich's progress bar on a terminal. rich draws nothing into a file until the loop ends, so when stdout is a log
+    (sbatch, nohup, a pipe) print a plain line instead after the first item and then every `log_every_s` seconds."""
+    if not enabled:
+        yield from iterable
+    elif sys.stdout.isatty():
+        yield from track(iterable, description)
+    else:
+        total, start, last_line = len(iterable), time.perf_counter(), -math.inf
+        for done, item in enumerate(iterable, 1):
+            yield item
+            now = time.perf_counter()
+            if done == 1 or done == total or now - last_line >= log_every_s:
+                last_line, elapsed = now, now - start
+                left = elapsed / done * (total - done)
+                print(
+                    f"{description}: {done}/{total} ({done / total:.0%}), {elapsed:.0f} s, ~{left:.0f} s left",
+                    flush=True,
+                )
+
+
 class RunLogger:
     """metrics.jsonl (one JSON object per logged step, flushed), wandb behind --track, rich console (rank 0 only)."""
 
@@ -1365,7 +1387,7 @@ def main(args: Args) -> None:
         logger.console.print(f"resumed from {checkpoint} at update {start_update}")
     elif eval_queries is not None:
         initial_eval = run_eval(0)
-    for update in track(range(start_update, args.num_updates + 1), "PPO", disable=not accelerator.is_main_process):
+    for update in track_progress(range(start_update, args.num_updates + 1), "PPO", accelerator.is_main_process):
         lr = linear_lr(ppo.lr, update - 1, args.num_updates)  # per update, constant within it
         for group in optimizer.param_groups:
             group["lr"] = lr

@@ -26,6 +26,7 @@ import re
 import shutil
 import signal
 import socket
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -750,6 +751,27 @@ def parameter_spread(accelerator: Accelerator, model: nn.Module) -> float:
     return (checksums.max() - checksums.min()).item()
 
 
+def track_progress(iterable, description: str, enabled: bool, log_every_s: float = 60.0):
+    """rich's progress bar on a terminal. rich draws nothing into a file until the loop ends, so when stdout is a log
+    (sbatch, nohup, a pipe) print a plain line instead after the first item and then every `log_every_s` seconds."""
+    if not enabled:
+        yield from iterable
+    elif sys.stdout.isatty():
+        yield from track(iterable, description)
+    else:
+        total, start, last_line = len(iterable), time.perf_counter(), -math.inf
+        for done, item in enumerate(iterable, 1):
+            yield item
+            now = time.perf_counter()
+            if done == 1 or done == total or now - last_line >= log_every_s:
+                last_line, elapsed = now, now - start
+                left = elapsed / done * (total - done)
+                print(
+                    f"{description}: {done}/{total} ({done / total:.0%}), {elapsed:.0f} s, ~{left:.0f} s left",
+                    flush=True,
+                )
+
+
 class RunLogger:
     """metrics.jsonl (one JSON object per logged step, flushed), wandb behind --track, rich console (rank 0 only)."""
 
@@ -1062,7 +1084,7 @@ def simulate_labels(accelerator, ref_lm, queries: QueryStream, tokenizer, pad_id
     local = math.ceil(total / args.world_size)
     chunk = max(args.local_rollout_forward_batch_size // NUM_SAMPLES, 1)
     records = []
-    for start in track(range(0, local, chunk), "simulating labels", disable=not accelerator.is_main_process):
+    for start in track_progress(range(0, local, chunk), "simulating labels", accelerator.is_main_process):
         query = queries.next_batch(min(chunk, local - start)).to(ref_lm.device)  # (b, C): bare, as in OAI's files
         contexts = queries.format(query).repeat_interleave(NUM_SAMPLES, 0)  # (4b, prefix + C + suffix)
         response = generate_responses(ref_lm, contexts, pad_id, args.task.response_length, args.task.temperature)
@@ -1197,7 +1219,7 @@ def main(args: Args) -> None:
     # 2. train
     reward_model.train()
     steps = range(start_step, args.num_updates)
-    for update in track(steps, "training reward model", disable=not accelerator.is_main_process):
+    for update in track_progress(steps, "training reward model", accelerator.is_main_process):
         lr = linear_lr(args.lr, update, args.num_updates)  # per step, k = 0 .. N - 1
         for group in optimizer.param_groups:
             group["lr"] = lr

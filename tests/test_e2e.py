@@ -3,6 +3,7 @@ fully offline. The reward model learned here is reused by the policy tests."""
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -91,6 +92,9 @@ def test_simulated_sentiment_labels_make_a_valid_label_file_and_train(tiny_asset
     assert chosen > average
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert any("test/accuracy" in row for row in rows) and (tmp_path / "run" / "reward_model").is_dir()
+    # stdout is a pipe here, as in a Slurm log: plain progress lines, not a bar drawn only at the end
+    assert re.search(r"^simulating labels: 1/\d+ \(\d+%\), \d+ s, ~\d+ s left$", result.stdout, re.M)
+    assert re.search(r"^training reward model: (\d+)/\1 \(100%\), \d+ s, ~0 s left$", result.stdout, re.M)
     # the file it wrote is reusable as --label-dataset
     result = run_script(REWARD, *small_reward_flags(tiny_assets, tmp_path / "again", "--dry-run"))
     assert result.returncode == 0
@@ -120,6 +124,7 @@ def test_two_processes_end_with_identical_parameters(tiny_assets, tmp_path):
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [row["sync/param_spread"] for row in rows if "sync/param_spread" in row] == [0.0]
     assert rows[-1]["step"] == 2 and (tmp_path / "run" / "reward_model").is_dir()
+    assert result.stdout.count("training reward model: 2/2 (100%)") == 1  # progress from the main process only
 
 
 @pytest.fixture(scope="session")
@@ -186,6 +191,7 @@ def test_policy_two_processes_keep_kl_coef_in_step(tiny_assets, reward_run, tmp_
     assert updates[-1]["objective/kl_coef"] != 0.15
     assert [row["sync/param_spread"] for row in rows if "sync/param_spread" in row] == [0.0]
     assert json.loads((tmp_path / "run" / "args.json").read_text())["local_batch_size"] == 8
+    assert result.stdout.count("PPO: 4/4 (100%)") == 1  # progress from the main process only
 
 
 def test_speed_flags_change_the_first_update_only_by_float_rounding(tiny_assets, reward_run, tmp_path):

@@ -226,3 +226,20 @@ def test_tracked_resume_continues_the_same_wandb_run(tmp_path, monkeypatch):
     assert first != fresh and resumed == fresh == (tmp_path / "wandb_run_id").read_text()  # --overwrite: a new run
     assert all(kwargs["resume"] == "allow" for kwargs in inits)
     assert logged == [4, 5, 4, 5, 5]  # the resumed logger skips step 4, which wandb already has
+
+
+def test_progress_in_a_log_file_prints_plain_lines(monkeypatch, capsys):
+    """Under sbatch / nohup stdout is a file, where rich draws its bar only at the end: a plain line after the first
+    item, then one per `log_every_s` seconds, and one at the end, each with the count, elapsed time and what is left."""
+    script = train_reward_accelerate
+    clock = iter([0.0, 10.0, 20.0, 70.0, 80.0, 90.0, 100.0])  # start, then once after each of the 6 items
+    monkeypatch.setattr(script.time, "perf_counter", lambda: next(clock))
+    assert list(script.track_progress(range(6), "simulating labels", enabled=True)) == list(range(6))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "simulating labels: 1/6 (17%), 10 s, ~50 s left",  # 10 s per item so far, 5 items to go
+        "simulating labels: 3/6 (50%), 70 s, ~70 s left",  # 60 s after the previous line
+        "simulating labels: 6/6 (100%), 100 s, ~0 s left",
+    ]
+    assert list(script.track_progress(range(3), "training reward model", enabled=False)) == [0, 1, 2]
+    assert capsys.readouterr().out == ""  # other processes print nothing
