@@ -85,6 +85,9 @@ PLOTS_CATEGORY = "plot"
 CORPUS_FORMAT_VERSION = 1
 """Part of the cached corpus file name: bump it when the extraction changes, so stale caches are not reused."""
 
+MEASURED_GAIN_LABELS = 2496
+"""The fewest labels with which a measured quick start raised the held-out gold score (README → Quick start)."""
+
 
 # --------------------------------------------------------------------------------------------------------------
 # downloads and atomic publishing
@@ -952,6 +955,11 @@ def format_summary(summary: dict, output_dir: Path) -> str:
         + ("went UP: the 95% CI of the difference excludes zero" if policy["gold_improved"]
            else "did not rise significantly (the 95% CI of the difference includes zero or is below it)")
     )  # fmt: skip
+    if not policy["gold_improved"] and rm and rm["train_labels"] < MEASURED_GAIN_LABELS:
+        lines.append(
+            f"  hint: {rm['train_labels']} labels are too few for the reward model to learn the labeler well; README → "
+            f"Quick start has measured runs whose gold sentiment rises (--labels {MEASURED_GAIN_LABELS}: ~65 min on 2 cores)"
+        )
     timings = summary["timings_s"]
     lines.append("  time: " + ", ".join(f"{phase} {seconds:.0f} s" for phase, seconds in timings.items()))
     lines.append(f"  files: {output_dir}/summary.json, learning_curves.png, samples_before_after.md, reward/, policy/")

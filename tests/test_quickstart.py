@@ -192,6 +192,8 @@ def test_quickstart_smoke_run_on_a_tiny_model(tiny_assets, tmp_path):
     assert 0 <= rm["test_accuracy"] <= 1 and rm["test_labels"] == 8 and rm["chance"] == 0.25
     assert 0 <= rm["labeler_ceiling"] <= 1
     policy = summary["policy"]
+    # 16 labels: when the gold score does not rise, the summary points to the label budget that was measured to work
+    assert ("hint: 16 labels are too few" in result.stdout) == (not policy["gold_improved"])
     assert (policy["updates"], policy["episodes"], policy["eval_queries"], policy["eval_samples_per_query"]) == (
         3,
         24,
