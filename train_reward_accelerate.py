@@ -763,7 +763,7 @@ def track_progress(iterable, description: str, enabled: bool, log_every_s: float
         for done, item in enumerate(iterable, 1):
             yield item
             now = time.perf_counter()
-            if done == 1 or done == total or now - last_line >= log_every_s:
+            if done == total or now - last_line >= log_every_s:  # the first item too: last_line starts at -inf
                 last_line, elapsed = now, now - start
                 left = elapsed / done * (total - done)
                 print(
