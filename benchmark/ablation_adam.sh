@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Ablation: PyTorch's Adam instead of the TF1-style Adam OpenAI used (--no-use-tensorflow-adam, SPEC section 8), both
+# Ablation: PyTorch's Adam instead of the TF1-style Adam OpenAI used (--no-use-tensorflow-adam), both
 # for the reward model and the policy; everything else as in core.sh, same seeds, so the curves pair up with it.
 # Expected (blog): larger early approxkl and clipfrac, bigger KL spikes; the end score may be similar for gpt2.
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Gradient accumulation must not change the math (SPEC section 7): per seed, train the reward model without and with
+# Gradient accumulation must not change the math: per seed, train the reward model without and with
 # accumulation (global batch 32 = 1 x 32 and 4 x 8), then the policy without and with accumulation (512 = 1 x 512
 # and 8 x 64), both policies against the *same* reward model (the unaccumulated one), so the two policy curves
 # differ only by accumulation (and float summation order). The policy runs stop at 100k episodes (~196 updates):

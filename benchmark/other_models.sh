@@ -3,7 +3,7 @@
 # (Llama architecture, the model of the offline quick start), with gpt2 as the control, OpenAI's hyperparameters.
 # OpenAI's label files hold GPT-2 token ids, which mean other tokens (pythia) or fall outside the vocabulary
 # (SmolLM2) for these tokenizers, so every run here labels its own samples with the simulated labelers
-# (--labels.source sentiment|descriptiveness: VADER / adjective share, SPEC section 9); the base model is the only
+# (--labels.source sentiment|descriptiveness: VADER / adjective share); the base model is the only
 # difference between the runs of a task. OpenAI's numbers (human labels) are not the reference here.
 #
 # Resources per seed: 1 node, 8 GPUs. Time per seed (ESTIMATE): reward incl. labelling ~20 min, policy ~1-2 h.

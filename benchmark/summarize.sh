@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The summarization tasks of the paper: tldr (Reddit posts, Hub `webis/tldr-17`) and cnndm (news articles, Hub
-# `cnn_dailymail` 3.0.0), gpt2 (124M), OpenAI's settings (`--task.name` sets them all, SPEC section 6): 500-token
+# `cnn_dailymail` 3.0.0), gpt2 (124M), OpenAI's settings (`--task.name` sets them all, as launch.py): 500-token
 # queries + "\n\nTL;DR:" (cnndm also "Article:\n\n" before), 75-token responses cut after the first newline at index
 # >= 55; reward model on OpenAI's tldr/cnndm online_45k.json labels (46,000 to train on, batch 16, lr 2.5e-5); PPO
 # with batch 32, lr 2e-6, a fixed KL coefficient (tldr 0.03, cnndm 0.01), no reward whitening, 1M episodes (31,250

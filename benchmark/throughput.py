@@ -140,7 +140,8 @@ def main(args: Args) -> None:
         common = ["--base-model", str(model_dir), "--task.query-dataset", str(corpus), "--overwrite",
                   "--peak-tflops", str(peak),
                   "--task.query-length", str(args.query_length), "--task.response-length", str(args.response_length),
-                  "--task.truncate-after", str(min(16, args.response_length - 1))]  # fmt: skip
+                  "--task.truncate-after", str(min(16, args.response_length - 1)),
+                  "--task.passage-rows", "1", "--task.start-text", "", "--task.end-text", ""]  # fmt: skip  (no '.')
         steps = args.updates + 1
         labels = random_labels(root / "labels.json", steps * args.batch_size + args.eval_labels, args, vocab - 1)
         reward_flags = [*common, "--label-dataset", str(labels), "--output-dir", str(root / "reward"),
@@ -165,6 +166,7 @@ def main(args: Args) -> None:
         if args.stage in ("policy", "both"):
             policy_flags = [*common, "--rewards.trained-model", str(root / "reward" / "reward_model"),
                             "--output-dir", str(root / "policy"), "--ppo.batch-size", str(args.batch_size),
+                            "--ppo.whitening-ranks", "1",  # how the whitening is grouped costs no time
                             "--ppo.total-episodes", str(steps * args.batch_size), "--ppo.noptepochs",
                             str(args.noptepochs), "--print-sample-output-freq", str(10**9), *shlex.split(args.extra)]  # fmt: skip
             run("train_policy_accelerate.py", policy_flags)

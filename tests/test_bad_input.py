@@ -98,14 +98,16 @@ def test_query_datasets_that_yield_no_query(tiny_assets, tmp_path, script, conte
 
 def make_fake_reward_model(tiny_assets, tmp_path, fingerprint=None):
     """A reward_model/ directory whose metadata is all that the early checks read."""
+    import run_utils
     import train_policy_accelerate as P
 
     directory = tmp_path / "rm"
     directory.mkdir(exist_ok=True)
     tokenizer = P.load_tokenizer(str(tiny_assets["model"]), "--base-model")
     info = {"base_model": "tiny", "pad_id": tokenizer.pad_token_id,
-            "tokenizer_fingerprint": fingerprint or P.tokenizer_fingerprint(tokenizer)}  # fmt: skip
+            "tokenizer_fingerprint": fingerprint or run_utils.tokenizer_fingerprint(tokenizer)}  # fmt: skip
     (directory / "reward_model.json").write_text(json.dumps(info))
+    (directory / "reward_head.safetensors").write_bytes(b"")  # the early checks look only for it
     return directory
 
 

@@ -11,7 +11,7 @@ from conftest import read_jsonl, run_script
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from train_reward_accelerate import RewardModel
+import train_policy_accelerate as P
 
 REWARD = "train_reward_accelerate.py"
 POLICY = "train_policy_accelerate.py"
@@ -26,7 +26,8 @@ def reward_flags(assets, output_dir, *extra, labels="labels"):
 def policy_flags(assets, reward_model, output_dir, *extra):
     return ["--base-model", str(assets["model"]), "--rewards.trained-model", str(reward_model),
             "--task.query-dataset", str(assets["corpus"]), "--output-dir", str(output_dir),
-            "--ppo.batch-size", "32", "--ppo.lr", "1e-3", "--print-sample-output-freq", "5", *extra]  # fmt: skip
+            "--ppo.batch-size", "32", "--ppo.whitening-ranks", "2", "--ppo.lr", "1e-3", "--print-sample-output-freq", "5",
+            "--task.passage-rows", "1", *extra]  # fmt: skip  (each line of the tiny corpus is a passage already)
 
 
 @pytest.fixture(scope="session")
@@ -57,13 +58,18 @@ def test_reward_model_learns_the_synthetic_preference(reward_run):
     assert args["local_batch_size"] == 16 and args["num_updates"] == 125
 
 
+def load_saved_reward_model(directory):
+    tokenizer = P.load_tokenizer(str(directory), "--base-model")
+    return P.load_reward_model(str(directory), P.check_reward_model(str(directory), tokenizer)).eval()
+
+
 def test_saved_reward_model_reloads_and_scores_identically(reward_run):
-    model = RewardModel.from_saved(str(reward_run / "reward_model"), "--rewards.trained-model").eval()
+    model = load_saved_reward_model(reward_run / "reward_model")
     head = load_file(reward_run / "reward_model" / "reward_head.safetensors")
     assert torch.equal(model.reward_gain.detach(), head["reward_gain"])
     assert head["reward_gain"].item() != 1.0  # normalization after training changed the gain
     tokens = torch.randint(0, 50257, (3, 88))
-    again = RewardModel.from_saved(str(reward_run / "reward_model"), "--rewards.trained-model").eval()
+    again = load_saved_reward_model(reward_run / "reward_model")
     with torch.no_grad():
         assert torch.equal(model(tokens), again(tokens))
     assert not list(reward_run.glob(".reward_model.*"))  # no temporary directories left behind
@@ -155,12 +161,23 @@ def test_ppo_raises_the_reward_model_score(policy_run):
     assert set(samples[0]) == {"update", "query", "response", "score", "kl", "total_reward"}
 
 
-def test_saved_policy_reloads_with_transformers(policy_run):
-    lm = AutoModelForCausalLM.from_pretrained(policy_run / "policy")
-    tokenizer = AutoTokenizer.from_pretrained(policy_run / "policy")
-    ids = tokenizer("The cat sat", return_tensors="pt")["input_ids"]
-    assert lm.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, ids.shape[1] + 4)
-    assert tokenizer.pad_token == "[PAD]" and tokenizer.pad_token_id != tokenizer.eos_token_id
+def test_saved_policy_generates_a_padded_batch_with_the_stock_transformers_api(policy_run):
+    """The README's snippet, as written there: a left-padded batch of 2 through generate(); the saved tokenizer pads
+    with EOS on the left (the scripts' own [PAD] is one past the embedding and would crash a stock forward)."""
+    directory = str(policy_run / "policy")
+    # --- README: use the trained policy
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    policy = AutoModelForCausalLM.from_pretrained(directory)
+    batch = tokenizer(["The cat sat on the mat.", "A dog"], return_tensors="pt", padding=True)
+    output = policy.generate(**batch, max_new_tokens=8, do_sample=False)
+    texts = tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    # ---
+    assert tokenizer.padding_side == "left" and tokenizer.pad_token_id == tokenizer.eos_token_id
+    assert batch["attention_mask"][1, 0] == 0 and batch["attention_mask"][0].all()  # the short prompt is padded
+    alone = tokenizer(["The cat sat on the mat."], return_tensors="pt")
+    single = policy.generate(**alone, max_new_tokens=8, do_sample=False)
+    assert texts[0] == tokenizer.decode(single[0, alone["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert len(texts) == 2 and all(texts)
 
 
 def short_policy_flags(assets, reward_run, output_dir, *extra):

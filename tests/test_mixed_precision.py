@@ -73,7 +73,8 @@ def test_both_scripts_run_end_to_end_with_bf16(tiny_assets, tmp_path):
     result = run_script("train_policy_accelerate.py", *common, "--rewards.trained-model",
                         str(tmp_path / "reward-bf16" / "reward_model"), "--mixed-precision", "bf16",
                         "--task.query-length", "16", "--task.response-length", "8", "--task.truncate-after", "2",
-                        "--ppo.batch-size", "16", "--ppo.total-episodes", "32", "--output-dir", str(policy_dir))  # fmt: skip
+                        "--ppo.batch-size", "16", "--ppo.whitening-ranks", "1", "--ppo.total-episodes", "32",
+                        "--output-dir", str(policy_dir))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     updates = [row for row in read_jsonl(policy_dir / "metrics.jsonl") if "objective/kl" in row]
     assert len(updates) == 2 and updates[0]["objective/kl"] == 0.0  # policy and reference agree exactly at the start

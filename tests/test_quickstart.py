@@ -155,13 +155,14 @@ def test_reward_queries_leave_out_exactly_the_policys_held_out_texts(gpt2_tokeni
     corpus.write_text("\n".join(texts) + "\n")
     flags = ["--base-model", str(gpt2_tokenizer_dir), "--rewards.trained-model", str(tmp_path / "rm"),
              "--task.query-dataset", str(corpus), "--task.query-length", "8", "--task.response-length", "8", "--task.truncate-after", "4",
-             "--task.gold-labeler", "sentiment", "--eval-queries", "5"]  # fmt: skip
-    _, held_out = quickstart.policy_held_out_text_ids(flags)
+             "--task.gold-labeler", "sentiment", "--eval-queries", "5", "--task.passage-rows", "1",
+             "--task.start-text", "", "--task.end-text", ""]  # fmt: skip
+    _, held_out = quickstart.policy_held_out_texts(flags)
     kept, held = write_reward_queries(flags, tmp_path / "reward_queries.jsonl")
     written = [row["text"] for row in read_jsonl(tmp_path / "reward_queries.jsonl")]
     assert (kept, held) == (len(written), len(held_out))
     assert kept + held == len(texts) and held >= 5
-    assert set(written) == {text for i, text in enumerate(texts) if i not in held_out}
+    assert set(written) == {text for text in texts if text not in held_out}
 
 
 # ---------------------------------------------------------------------------------------------------------------

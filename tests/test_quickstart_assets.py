@@ -33,7 +33,7 @@ from quickstart import (
 
 CACHE = REPO / ".cache"
 QUERY_LENGTH = 64
-"""OAI's query length in tokens (SPEC §5): corpus lines should fill a whole query window."""
+"""OAI's query length in tokens (launch.py): corpus lines should fill a whole query window."""
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Unit tests of train_reward_accelerate.py and of the helpers both scripts share (SPEC §1–4, §6–9).
+"""Unit tests of train_reward_accelerate.py and of the pipeline both scripts share: padding, the reward model,
+dropout, TF-style Adam, the lr schedule, normalization, the best-of-4 loss, label files, sizes, queries, labelers.
 
 Tiny random models built here, the exact GPT-2 tokenizer from the `gpt2_tokenizer_dir` fixture; no network, no
 subprocess. Every expected number is written out by hand (the derivation is in the comment next to it).
@@ -24,9 +25,11 @@ from transformers import (
     LlamaModel,
 )
 
+import run_utils
+import train_policy_accelerate as P
 import train_reward_accelerate as R
 
-PAD = 50257  # GPT-2's [PAD]: one past the 50257-token vocabulary (SPEC §1)
+PAD = 50257  # GPT-2's [PAD]: one past the 50257-token vocabulary
 EOS = 50256
 DOT = 13  # '.'
 
@@ -83,7 +86,7 @@ def one_line_error(failure: pytest.ExceptionInfo) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# padding (SPEC §1)
+# padding
 
 
 def left_padding_reference(row: list[int], pad_id: int) -> list[int]:
@@ -107,7 +110,7 @@ def test_right_padding_to_left_padding_matches_a_python_reference():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# padded_forward: unpadded vs left-padded hidden states (SPEC §1 self-check), through the Auto classes
+# padded_forward: unpadded vs left-padded hidden states are equal for real tokens, through the Auto classes
 
 
 def check_padding_invariance(backbone: nn.Module, vocab_size: int, pad_id: int) -> None:
@@ -150,7 +153,7 @@ def test_padded_forward_needs_the_position_ids():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# reward model (SPEC §4)
+# reward model
 
 
 class HiddenSize(nn.Module):
@@ -166,7 +169,7 @@ def test_reward_head_init_std_is_one_over_sqrt_d_plus_one_bias_zero_gain_one():
     model = R.RewardModel(HiddenSize(768), PAD)
     weight = model.scalar_head.weight.detach().double()
     assert weight.shape == (1, 768)
-    # 1 / sqrt(768 + 1) = 0.036061 (SPEC: 0.03606); the empirical std of 768 normal draws is within ~3 standard
+    # 1 / sqrt(768 + 1) = 0.036061 (OAI language/model.py); the empirical std of 768 normal draws is within ~3 standard
     # errors (2.6% each) of it; HF's default init (0.02) or 1/sqrt(768) * 10 would be far off
     assert weight.std().item() == pytest.approx(0.036061, rel=0.08)
     assert abs(weight.mean().item()) < 3 * 0.036061 / math.sqrt(768)
@@ -178,15 +181,17 @@ def test_reward_head_init_std_is_one_over_sqrt_d_plus_one_bias_zero_gain_one():
     assert large.std().item() == pytest.approx(1 / 256, rel=0.03)  # 1/sqrt(65535 + 1); standard error 0.3%
 
 
-def test_reward_model_save_and_from_saved_score_identically(gpt2_dir, tokenizer, tmp_path):
+def test_saved_reward_model_loads_in_the_policy_script_and_scores_identically(gpt2_dir, tokenizer, tmp_path):
     torch.manual_seed(0)
     model = R.RewardModel(R.load_pretrained(AutoModel, str(gpt2_dir), "--base-model"), PAD).eval()
     with torch.no_grad():
         model.reward_gain.fill_(2.5)
         model.reward_bias.fill_(-0.75)
-    model.save(tmp_path / "rm", tokenizer, "tiny-gpt2")
+    (tmp_path / "rm").mkdir()
+    R.save_reward_model(model, tmp_path / "rm", tokenizer, "tiny-gpt2")
     torch.manual_seed(123)  # a different head init: only loading the saved head can give equal scores
-    loaded = R.RewardModel.from_saved(str(tmp_path / "rm"), "--rewards.trained-model").eval()
+    info = P.check_reward_model(str(tmp_path / "rm"), tokenizer)
+    loaded = P.load_reward_model(str(tmp_path / "rm"), info).eval()
     assert loaded.pad_id == PAD
     assert loaded.reward_gain.item() == 2.5 and loaded.reward_bias.item() == -0.75
     query_responses = torch.tensor([[PAD, PAD, 15496, 995, 13, 11, PAD], [23073, 11, 339, 561, 13, 50256, 13]])
@@ -196,9 +201,9 @@ def test_reward_model_save_and_from_saved_score_identically(gpt2_dir, tokenizer,
         assert torch.equal(tensor, loaded.state_dict()[name]), name
 
 
-def test_reward_model_from_saved_rejects_a_non_reward_directory(tmp_path):
+def test_check_reward_model_rejects_a_non_reward_directory(tmp_path, tokenizer):
     with pytest.raises(SystemExit) as failure:
-        R.RewardModel.from_saved(str(tmp_path), "--rewards.trained-model")
+        P.check_reward_model(str(tmp_path), tokenizer)
     message = one_line_error(failure)
     assert "--rewards.trained-model" in message and str(tmp_path) in message
 
@@ -216,7 +221,7 @@ def test_reward_reads_the_last_real_token_whatever_the_padding(gpt2_dir):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# dropout off (SPEC §3)
+# dropout off
 
 
 def test_load_pretrained_sets_every_dropout_to_zero(tmp_path):
@@ -243,7 +248,7 @@ def test_load_pretrained_sets_llama_attention_dropout_to_zero(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# TF-style Adam (SPEC §8)
+# TF-style Adam
 
 
 def one_adam_step(optimizer_class, gradient: float, **kwargs) -> float:
@@ -258,7 +263,7 @@ def one_adam_step(optimizer_class, gradient: float, **kwargs) -> float:
     "gradient, torch_update, tf_update",
     [(0.5, 9.99980e-4, 9.99368e-4), (1e-4, 9.0909e-4, 2.4025e-4), (1e-6, 9.0909e-5, 3.1523e-6)],
 )
-def test_adam_one_step_matches_spec_closed_form(gradient, torch_update, tf_update):
+def test_adam_one_step_matches_the_closed_form(gradient, torch_update, tf_update):
     # t = 1: m = 0.1 g, v = 0.001 g². PyTorch: lr g / (|g| + eps). TF: lr sqrt(0.001)|g| / (sqrt(0.001)|g| + eps).
     assert one_adam_step(R.AdamTensorFlowStyle, gradient) == pytest.approx(tf_update, rel=1e-4)
     assert one_adam_step(torch.optim.Adam, gradient) == pytest.approx(torch_update, rel=1e-4)
@@ -269,7 +274,7 @@ def test_adam_one_step_matches_spec_closed_form(gradient, torch_update, tf_updat
 
 
 def test_tf_adam_equals_torch_adam_with_per_step_eps():
-    """SPEC §8 cross-check: torch Adam with eps_t = eps / sqrt(1 - b2^t) takes exactly TF-style steps."""
+    """Cross-check: torch Adam with eps_t = eps / sqrt(1 - b2^t) takes exactly TF-style steps."""
     generator = torch.Generator().manual_seed(0)
     start = torch.randn(5, 3, generator=generator, dtype=torch.float64)
     tf_param, torch_param = nn.Parameter(start.clone()), nn.Parameter(start.clone())
@@ -311,7 +316,7 @@ def test_tf_adam_state_dict_round_trip_continues_identically():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# learning-rate schedule (SPEC §4: lr_k = lr (1 - k/N), k = 0..N-1)
+# learning-rate schedule (OAI train_reward.py: lr_k = lr (1 - k/N), k = 0..N-1)
 
 
 def test_reward_lr_schedule_first_and_last_step():
@@ -328,7 +333,7 @@ def test_main_uses_linear_lr_for_the_schedule():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# reward normalization (SPEC §4)
+# reward normalization
 
 
 class IdentityAccelerator:
@@ -365,7 +370,7 @@ def test_normalize_reward_sets_population_mean_0_std_1(gpt2_dir):
     args.local_rollout_batch_size = 8
     args.task = R.TaskHParams(response_length=3, temperature=0.7)
     ref_lm = dominated_lm(DOT)  # samples '.' every time: scores depend on the queries only
-    R.disable_eos_stopping(ref_lm)
+    R.use_plain_sampling(ref_lm)
     torch.manual_seed(0)
     model = R.RewardModel(R.load_pretrained(AutoModel, str(gpt2_dir), "--base-model"), PAD).eval()
     generator = torch.Generator().manual_seed(2)
@@ -391,7 +396,7 @@ def test_normalize_reward_sets_population_mean_0_std_1(gpt2_dir):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# best-of-4 loss (SPEC §4)
+# best-of-4 loss
 
 
 class LastTokenScores(nn.Module):
@@ -424,7 +429,7 @@ def test_best_of_4_loss_and_accuracy_by_hand():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# label files (SPEC §4, §1 pad remap)
+# label files (and OAI's pad 50259 remapped)
 
 
 def label_args() -> R.Args:
@@ -454,7 +459,7 @@ def test_load_labels_remaps_openai_pads_and_left_pads_queries(tmp_path, tokenize
     records[0]["query"] = [15496, 50259, 995, 50259]  # OAI pads, one in the middle
     records[1]["sample2"] = [23073, 50259, 50259]
     path = write_labels(tmp_path, records)
-    labels = R.load_labels(path, tokenizer, PAD, label_args())
+    labels = R.load_labels(path, tokenizer, label_args())
     assert labels["queries"].tolist()[0] == [PAD, PAD, 15496, 995]
     assert labels["queries"].tolist()[2] == [15498, 995, 13, 11]
     assert labels["samples"].shape == (3, 4, 3)
@@ -496,7 +501,7 @@ def test_load_labels_bad_record_is_one_line_naming_file_and_record(tmp_path, tok
     corrupt(records[1])
     path = write_labels(tmp_path, records)
     with pytest.raises(SystemExit) as failure:
-        R.load_labels(path, tokenizer, PAD, label_args())
+        R.load_labels(path, tokenizer, label_args())
     message = one_line_error(failure)
     assert path in message and "record 1" in message
     for word in words:
@@ -509,14 +514,14 @@ def test_load_labels_bad_record_is_one_line_naming_file_and_record(tmp_path, tok
         ('[{"query": [1, 2', ["not a readable JSON"]),
         ('{"query": [1, 2, 3, 4]}', ["JSON list", "dict"]),
         (json.dumps([label_record(0), "not a record"]), ["record 1", "not an object"]),
-        (json.dumps([label_record(0), label_record(1)]), ["2 records", "need", "3"]),
+        (json.dumps([label_record(0)]), ["1 records", "fewer than --labels.num-train 2"]),
     ],
     ids=["corrupt-json", "not-a-list", "record-not-an-object", "too-few-records"],
 )
 def test_load_labels_bad_file_is_one_line_naming_the_file(tmp_path, tokenizer, content, words):
     path = write_labels(tmp_path, content)
     with pytest.raises(SystemExit) as failure:
-        R.load_labels(path, tokenizer, PAD, label_args())
+        R.load_labels(path, tokenizer, label_args())
     message = one_line_error(failure)
     assert path in message
     for word in words:
@@ -524,7 +529,7 @@ def test_load_labels_bad_file_is_one_line_naming_the_file(tmp_path, tokenizer, c
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# derived batch sizes (SPEC §7)
+# derived batch sizes
 
 
 def test_validate_args_derives_per_process_sizes(monkeypatch):
@@ -554,7 +559,7 @@ def test_validate_args_rejects_inconsistent_sizes_naming_the_flag(monkeypatch, w
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# queries (SPEC §6)
+# queries
 
 
 def test_query_from_text_start_and_end_text(tokenizer):
@@ -570,7 +575,21 @@ def test_query_from_text_start_and_end_text(tokenizer):
     assert R.query_from_text(tokenizer, [], R.TaskHParams(query_length=4), PAD) is None  # empty text
 
 
-def test_queries_add_no_special_tokens_with_a_bos_adding_tokenizer(gpt2_tokenizer_dir):
+def query_texts(tmp_path, lines: list[str], rows_per_text: int = 1) -> run_utils.QueryTexts:
+    """The query texts of a local one-text-per-line file holding `lines`."""
+    path = tmp_path / "queries.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return run_utils.QueryTexts(str(path), None, "text", rows_per_text)
+
+
+def test_query_from_text_keeps_a_text_whose_first_start_text_is_its_last_token(tokenizer):
+    """OAI language/datasets.py: `first_index < len(tokens)` or the text stays whole."""
+    task = R.TaskHParams(query_length=6, start_text=".")
+    assert R.query_from_text(tokenizer, [15496, 995, 13], task, PAD) == [15496, 995, 13, PAD, PAD, PAD]
+    assert R.query_from_text(tokenizer, [15496, 13, 995], task, PAD) == [995] + [PAD] * 5
+
+
+def test_queries_add_no_special_tokens_with_a_bos_adding_tokenizer(gpt2_tokenizer_dir, tmp_path):
     """Llama/Mistral-style tokenizers prepend BOS in `encode`: start/end text, prefix and suffix must be encoded
     without special tokens, or the start text is never found and a BOS lands in the middle of every query."""
     bos_tokenizer = AutoTokenizer.from_pretrained(str(gpt2_tokenizer_dir), add_bos_token=True)
@@ -579,34 +598,35 @@ def test_queries_add_no_special_tokens_with_a_bos_adding_tokenizer(gpt2_tokenize
     task = R.TaskHParams(query_length=6, start_text=".", end_text=".", query_prefix="Hello", query_suffix=" world")
     text = [15496, 995, 13, 23073, 11, 339, 561, 13, 15496]
     assert R.query_from_text(bos_tokenizer, text, task, PAD) == [23073, 11, 339, 561, 13, PAD]  # no 50256
-    stream = R.QueryStream(["x"], bos_tokenizer, task, PAD, seed=0)
+    stream = R.QueryStream(query_texts(tmp_path, ["x"]), bos_tokenizer, task, PAD, seed=0)
     contexts = stream.format(torch.tensor([[PAD, 23073, 11, 339, 561, 13]]))
     assert contexts.tolist() == [[PAD, 15496, 23073, 11, 339, 561, 13, 995]]  # "Hello" ⊕ query ⊕ " world", no 50256
 
 
-def test_query_stream_prefix_suffix_and_middle_pads_go_left(tokenizer):
+def test_query_stream_prefix_suffix_and_middle_pads_go_left(tokenizer, tmp_path):
     task = R.TaskHParams(query_length=4, query_prefix="Hello", query_suffix=" world")  # [15496], [995]
     assert R.query_from_text(tokenizer, [23073, 11], task, PAD) == [23073, 11, PAD, PAD]  # bare, right-padded
-    stream = R.QueryStream(["", "usually,", ""], tokenizer, task, PAD, seed=0)  # "usually," = [23073, 11]
+    stream = R.QueryStream(query_texts(tmp_path, ["", "usually,", ""]), tokenizer, task, PAD, seed=0)  # [23073, 11]
     queries = stream.next_batch(3)  # empty texts skipped; the one real text repeats over epochs
     assert queries.tolist() == [[PAD, PAD, 23073, 11]] * 3  # what the reward model reads
     # the policy's context: "Hello" ⊕ [23073, 11, PAD, PAD] ⊕ " world" (pads in the middle) -> pads to the left
     assert stream.format(queries).tolist() == [[PAD, PAD, 15496, 23073, 11, 995]] * 3
 
 
-def test_query_stream_without_any_query_names_the_flag(tokenizer):
+def test_query_stream_without_any_query_names_the_flag(tokenizer, tmp_path):
     task = R.TaskHParams(query_dataset="empty.txt", query_length=4, start_text="|")
-    stream = R.QueryStream(["", "no start marker here", ""], tokenizer, task, PAD, seed=0)
+    stream = R.QueryStream(query_texts(tmp_path, ["", "no start marker here", ""]), tokenizer, task, PAD, seed=0)
     with pytest.raises(SystemExit) as failure:
         stream.next_batch(1)
     message = one_line_error(failure)
     assert "--task.query-dataset" in message and "empty.txt" in message
 
 
-def test_query_stream_ranks_are_disjoint_within_an_epoch(tokenizer):
+def test_query_stream_ranks_are_disjoint_within_an_epoch(tokenizer, tmp_path):
     texts = [f"Text number {i} of the corpus" for i in range(20)]
     task = R.TaskHParams(query_length=8)
-    streams = [R.QueryStream(texts, tokenizer, task, PAD, seed=3, rank=r, world_size=2, chunk=4) for r in (0, 1)]
+    source = query_texts(tmp_path, texts)
+    streams = [R.QueryStream(source, tokenizer, task, PAD, seed=3, rank=r, world_size=2, chunk=4) for r in (0, 1)]
     epochs = [set(R.decode(tokenizer, s.next_batch(10))) for s in streams]
     assert len(epochs[0]) == len(epochs[1]) == 10
     assert epochs[0].isdisjoint(epochs[1]) and epochs[0] | epochs[1] == set(texts)
@@ -616,7 +636,7 @@ def test_query_stream_ranks_are_disjoint_within_an_epoch(tokenizer):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# simulated labelers (SPEC §9)
+# simulated labelers
 
 
 def test_simulated_sentiment_labeler_prefers_positive_text():

@@ -268,7 +268,7 @@ def tiny_chain(tmp_path: Path, model_dir: Path, num_labels: int, policy_flags: s
 
 def test_real_scripts_two_seed_array(slurm_cluster, tmp_path, tiny_model_dir):
     runs, logs, reward, policy = tiny_chain(
-        tmp_path, tiny_model_dir, 64, "--ppo.total-episodes 32 --ppo.batch-size 16 --ppo.noptepochs 1"
+        tmp_path, tiny_model_dir, 64, "--ppo.total-episodes 32 --ppo.batch-size 16 --ppo.whitening-ranks 1 --ppo.noptepochs 1"
     )
     offline = (
         "export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled OMP_NUM_THREADS=1"
@@ -306,7 +306,7 @@ def test_real_policy_script_requeued_mid_run_resumes_from_its_checkpoint(slurm_c
         tmp_path,
         tiny_model_dir,
         16,
-        "--ppo.total-episodes 480 --ppo.batch-size 16 --ppo.noptepochs 1 --checkpoint-every 2",
+        "--ppo.total-episodes 480 --ppo.batch-size 16 --ppo.whitening-ranks 1 --ppo.noptepochs 1 --checkpoint-every 2",
     )
     offline = "export HF_HUB_OFFLINE=1 WANDB_MODE=disabled OMP_NUM_THREADS=1"
     result = launch(

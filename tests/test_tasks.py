@@ -1,4 +1,4 @@
-"""OpenAI's four tasks (SPEC §6): `--task.name` sets every per-task default in both scripts, explicit flags win, the
+"""OpenAI's four tasks (launch.py): `--task.name` sets every per-task default in both scripts, explicit flags win, the
 summarization texts are cleaned like OpenAI's, the policy reads prefix ⊕ query ⊕ suffix while the reward model reads
 the bare query, label files of the summarization shape load, and a tiny tldr run goes end to end (offline)."""
 
@@ -14,6 +14,7 @@ import tyro
 from conftest import REPO, read_jsonl, run_script, synthetic_sentences
 from transformers import GPT2Config, GPT2LMHeadModel
 
+import run_utils
 import train_policy_accelerate as P
 import train_reward_accelerate as R
 
@@ -23,26 +24,26 @@ NEWLINE = 198  # '\n' in GPT-2
 TL = 14990  # 'TL' in GPT-2: "\n\nTL;DR:" is [198, 198, 14990, 26, 7707, 25]
 TASKS = ("sentiment", "descriptiveness", "tldr", "cnndm")
 
-# SPEC §6, written out by hand (not read from the scripts' tables)
-BOOKS = dict(query_dataset="bookcorpus", query_dataset_config=None, query_field="text", query_length=64,
-             response_length=24, query_prefix="", query_suffix="", truncate_token=".", truncate_after=16,
-             temperature=0.7)  # fmt: skip
-SUMMARIZATION = dict(query_length=500, response_length=75, query_prefix="", query_suffix="\n\nTL;DR:",
-                     truncate_token="\n", truncate_after=55, temperature=0.7)  # fmt: skip
-SPEC_TASK = {
+# OAI's launch.py, written out by hand (not read from the scripts' tables); the Hub datasets by their full ids
+BOOKS = dict(query_dataset="bookcorpus/bookcorpus", query_dataset_config=None, query_field="text", passage_rows=8,
+             query_length=64, response_length=24, query_prefix="", query_suffix="", start_text=".", end_text=".",
+             truncate_token=".", truncate_after=16, temperature=0.7)  # fmt: skip
+SUMMARIZATION = dict(passage_rows=1, query_length=500, response_length=75, query_prefix="", query_suffix="\n\nTL;DR:",
+                     start_text="", end_text="", truncate_token="\n", truncate_after=55, temperature=0.7)  # fmt: skip
+OAI_TASK = {
     "sentiment": BOOKS,
     "descriptiveness": BOOKS,
     "tldr": dict(SUMMARIZATION, query_dataset="webis/tldr-17", query_dataset_config=None, query_field="content"),
-    "cnndm": dict(SUMMARIZATION, query_dataset="cnn_dailymail", query_dataset_config="3.0.0", query_field="article",
-                  query_prefix="Article:\n\n", temperature=0.5),
+    "cnndm": dict(SUMMARIZATION, query_dataset="abisee/cnn_dailymail", query_dataset_config="3.0.0",
+                  query_field="article", query_prefix="Article:\n\n", temperature=0.5),
 }  # fmt: skip
-SPEC_REWARD = {  # label file, labels.num_train, batch_size, lr, rollout_batch_size
+OAI_REWARD = {  # label file, labels.num_train, batch_size, lr, rollout_batch_size
     "sentiment": ("sentiment/offline_5k.json", 4992, 32, 5e-5, 512),
     "descriptiveness": ("descriptiveness/offline_5k.json", 4992, 32, 5e-5, 512),
     "tldr": ("tldr/online_45k.json", 46000, 16, 2.5e-5, 128),
     "cnndm": ("cnndm/online_45k.json", 46000, 16, 2.5e-5, 128),
 }
-SPEC_PPO = {  # ppo.batch_size, ppo.lr, rewards.kl_coef, rewards.use_adaptive_kl, ppo.whiten_rewards
+OAI_PPO = {  # ppo.batch_size, ppo.lr, rewards.kl_coef, rewards.use_adaptive_kl, ppo.whiten_rewards
     "sentiment": (512, 1e-5, 0.15, True, True),
     "descriptiveness": (512, 1e-5, 0.15, True, True),
     "tldr": (32, 2e-6, 0.03, False, False),
@@ -69,17 +70,16 @@ def one_line_error(failure: pytest.ExceptionInfo) -> str:
 
 
 @pytest.mark.parametrize("task", TASKS)
-def test_task_defaults_resolve_as_in_spec_in_both_scripts(task, monkeypatch):
+def test_task_defaults_resolve_as_openai_set_them_in_both_scripts(task, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     reward, policy = reward_args("--task.name", task), policy_args("--task.name", task)
     for args in (reward, policy):
-        assert {key: getattr(args.task, key) for key in SPEC_TASK[task]} == SPEC_TASK[task]
-        assert args.task.start_text is None and args.task.end_text is None
-    label_dataset, num_train, batch_size, lr, rollout_batch_size = SPEC_REWARD[task]
+        assert {key: getattr(args.task, key) for key in OAI_TASK[task]} == OAI_TASK[task]
+    label_dataset, num_train, batch_size, lr, rollout_batch_size = OAI_REWARD[task]
     assert (reward.label_dataset, reward.labels.num_train, reward.batch_size) == (label_dataset, num_train, batch_size)
     assert (reward.lr, reward.rollout_batch_size, reward.labels.type) == (lr, rollout_batch_size, "best_of_4")
     assert reward.num_updates == num_train // batch_size  # 156 (books) or 2875 (summarization) steps
-    batch_size, lr, kl_coef, adaptive, whiten = SPEC_PPO[task]
+    batch_size, lr, kl_coef, adaptive, whiten = OAI_PPO[task]
     assert (policy.ppo.batch_size, policy.ppo.lr, policy.ppo.whiten_rewards) == (batch_size, lr, whiten)
     assert (policy.rewards.kl_coef, policy.rewards.use_adaptive_kl) == (kl_coef, adaptive)
     assert policy.ppo.total_episodes == 1_000_000 and policy.num_updates == -(-1_000_000 // batch_size)
@@ -155,7 +155,7 @@ def test_help_of_every_task_dependent_flag_lists_each_tasks_default(module):
     for path in script_table["tldr"]:
         owner, _, name = path.rpartition(".")
         fields[f"{classes[owner]}.{name}"] = [(t, script_table[t][path]) for t in TASKS]
-    assert len(fields) == 15  # 10 task fields, 5 of the script
+    assert len(fields) == 18  # 13 task fields, 5 of the script
     for field, values in fields.items():
         assert "per task" in docs[field], field
         for task, value in values:
@@ -163,9 +163,9 @@ def test_help_of_every_task_dependent_flag_lists_each_tasks_default(module):
                 assert documented(value) in docs[field], (field, task, value)
 
 
-def test_the_scripts_task_tables_match_the_spec():
+def test_the_scripts_task_tables_match_openais():
     for task in TASKS:
-        assert {k: R.TASK_DEFAULTS[task].get(k) for k in SPEC_TASK[task]} == SPEC_TASK[task]
+        assert {k: R.TASK_DEFAULTS[task].get(k) for k in OAI_TASK[task]} == OAI_TASK[task]
     assert R.TASK_DEFAULTS == P.TASK_DEFAULTS
 
 
@@ -210,12 +210,12 @@ def tokenizer(gpt2_tokenizer_dir):
     return R.load_tokenizer(str(gpt2_tokenizer_dir), "--base-model")
 
 
-def test_contexts_put_prefix_and_suffix_around_the_bare_query_and_move_middle_pads_left(tokenizer):
+def test_contexts_put_prefix_and_suffix_around_the_bare_query_and_move_middle_pads_left(tokenizer, tmp_path):
     """cnndm's formatting on queries of 8 tokens: OAI builds prefix ⊕ right-padded query ⊕ suffix (pads in the
-    middle); every row of ours is that row left-padded (SPEC §1), and the bare queries stay as the reward model's."""
+    middle); every row of ours is that row left-padded, and the bare queries stay as the reward model's."""
     task = R.TaskHParams(name="cnndm", query_length=8, query_prefix="Article:\n\n", query_suffix="\n\nTL;DR:")
     texts = ["One two three four five six seven eight nine ten.", "Short one.", "Three words here"]
-    stream = R.QueryStream(texts, tokenizer, task, PAD, seed=0, chunk=3)
+    stream = R.QueryStream(query_texts(tmp_path, texts), tokenizer, task, PAD, seed=0, chunk=3)
     queries = stream.next_batch(3)  # (3, 8)
     contexts = stream.format(queries)
     prefix, suffix = tokenizer.encode("Article:\n\n"), tokenizer.encode("\n\nTL;DR:")
@@ -231,9 +231,9 @@ def test_contexts_put_prefix_and_suffix_around_the_bare_query_and_move_middle_pa
     assert torch.equal(R.right_padding_to_left_padding(contexts, PAD), contexts)
 
 
-def test_books_contexts_equal_the_queries(tokenizer):
+def test_books_contexts_equal_the_queries(tokenizer, tmp_path):
     task = R.TaskHParams(query_length=6, query_prefix="", query_suffix="")
-    stream = R.QueryStream(["Hello world.", "usually, he would"], tokenizer, task, PAD, seed=0)
+    stream = R.QueryStream(query_texts(tmp_path, ["Hello world.", "usually, he would"]), tokenizer, task, PAD, seed=0)
     queries = stream.next_batch(2)
     assert torch.equal(stream.format(queries), queries)
 
@@ -259,18 +259,23 @@ class RecordingReward(nn.Module):
 def tiny_lm(seed: int) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
     lm = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16)).eval()
-    P.disable_eos_stopping(lm)
+    P.use_plain_sampling(lm)
     return lm
 
 
-def summarization_stream(tokenizer, query_length: int) -> R.QueryStream:
+def query_texts(tmp_path, lines: list[str]) -> run_utils.QueryTexts:
+    (tmp_path / "queries.txt").write_text("\n".join(lines) + "\n")
+    return run_utils.QueryTexts(str(tmp_path / "queries.txt"), None, "text")
+
+
+def summarization_stream(tokenizer, query_length: int, tmp_path) -> R.QueryStream:
     task = R.TaskHParams(name="tldr", query_length=query_length, query_prefix="Article:\n\n",
                          query_suffix="\n\nTL;DR:", response_length=4, truncate_after=1, temperature=0.7)  # fmt: skip
-    return R.QueryStream(synthetic_sentences(20, seed=0), tokenizer, task, PAD, seed=0)
+    return R.QueryStream(query_texts(tmp_path, synthetic_sentences(20, seed=0)), tokenizer, task, PAD, seed=0)
 
 
-def test_policy_rollout_samples_from_the_contexts_and_scores_the_bare_queries(tokenizer):
-    stream = summarization_stream(tokenizer, query_length=6)
+def test_policy_rollout_samples_from_the_contexts_and_scores_the_bare_queries(tokenizer, tmp_path):
+    stream = summarization_stream(tokenizer, query_length=6, tmp_path=tmp_path)
     queries = stream.next_batch(3)
     queries[1, :2] = PAD  # a shorter query
     contexts = stream.format(queries)  # (3, 3 + 6 + 6)
@@ -279,21 +284,22 @@ def test_policy_rollout_samples_from_the_contexts_and_scores_the_bare_queries(to
                               temperature=0.7, penalty_reward_value=-1.0)  # fmt: skip
     policy, ref_lm, reward = P.PolicyAndValueWrapper(tiny_lm(0)), tiny_lm(1), RecordingReward()
     torch.manual_seed(0)
-    data = P.rollout(policy, ref_lm, reward, queries, contexts, NEWLINE, args)
+    responses, logprobs, ref_logprobs, _ = P.rollout(policy, ref_lm, contexts, PAD, args)
+    postprocessed, _ = P.score_responses(reward, queries, responses, NEWLINE, args)
     seen = torch.cat(reward.seen)  # 2 chunks
-    assert len(reward.seen) == 2 and torch.equal(seen, torch.cat([queries, data["postprocessed_responses"]], 1))
-    query_responses = torch.cat([contexts, data["responses"]], 1)  # what both policies read
+    assert len(reward.seen) == 2 and torch.equal(seen, torch.cat([queries, postprocessed], 1))
+    query_responses = torch.cat([contexts, responses], 1)  # what both policies read
     with torch.no_grad():
         logits = P.lm_logits(policy.lm, query_responses, contexts.shape[1], PAD, 0.7)
         ref_logits = P.lm_logits(ref_lm, query_responses, contexts.shape[1], PAD, 0.7)
-    torch.testing.assert_close(data["logprobs"], P.logprobs_from_logits(logits, data["responses"]))
-    torch.testing.assert_close(data["ref_logprobs"], P.logprobs_from_logits(ref_logits, data["responses"]))
+    torch.testing.assert_close(logprobs, P.logprobs_from_logits(logits, responses))
+    torch.testing.assert_close(ref_logprobs, P.logprobs_from_logits(ref_logits, responses))
 
 
-def test_reward_script_samples_from_the_contexts_and_scores_the_bare_queries(tokenizer, monkeypatch):
+def test_reward_script_samples_from_the_contexts_and_scores_the_bare_queries(tokenizer, monkeypatch, tmp_path):
     """Normalization (sample_and_score) and simulated labels: generation gets the contexts, the reward model and
     the label records the bare queries (OAI's label files hold queries of query_length tokens, no prefix/suffix)."""
-    stream = summarization_stream(tokenizer, query_length=6)
+    stream = summarization_stream(tokenizer, query_length=6, tmp_path=tmp_path)
     generated = []
 
     def fake_generate(lm, contexts, pad_id, response_length, temperature):
@@ -308,9 +314,9 @@ def test_reward_script_samples_from_the_contexts_and_scores_the_bare_queries(tok
     queries, responses, _ = R.sample_and_score(ref_lm, reward, stream, 4, args)
     assert queries.shape == (4, 6) and torch.equal(generated[0], stream.format(queries))
     assert torch.equal(reward.seen[0], torch.cat([queries, responses], 1))
-    accelerator = types.SimpleNamespace(is_main_process=True)
+    run = types.SimpleNamespace(progress=lambda iterable, description: iterable)
     monkeypatch.setattr(R, "gather_object", lambda records: records)
-    records = R.simulate_labels(accelerator, ref_lm, stream, tokenizer, PAD, NEWLINE, args)
+    records = R.simulate_labels(run, ref_lm, stream, tokenizer, NEWLINE, args)
     assert len(records) == 4 and all(len(r["query"]) == 6 for r in records)
     bare = torch.tensor([r["query"] for r in records])  # right-padded with OAI's pad, like OAI's files
     bare = R.right_padding_to_left_padding(torch.where(bare == OPENAI_PAD, PAD, bare), PAD)
@@ -336,12 +342,12 @@ def test_summarization_label_files_load_with_the_tasks_lengths(tmp_path, tokeniz
     path = tmp_path / "online_45k.json"
     path.write_text(json.dumps([summarization_record(i) for i in range(6)]))
     args = reward_args("--task.name", "tldr", "--labels.num-train", "4", "--batch-size", "2")
-    labels = R.load_labels(str(path), tokenizer, PAD, args)
+    labels = R.load_labels(str(path), tokenizer, args)
     assert labels["queries"].shape == (6, 500) and labels["samples"].shape == (6, 4, 75)
     assert labels["queries"][:, :7].eq(PAD).all() and not labels["queries"].eq(OPENAI_PAD).any()  # remapped, left
     books = reward_args("--labels.num-train", "4", "--batch-size", "2")  # sentiment: 64-token queries
     with pytest.raises(SystemExit) as failure:
-        R.load_labels(str(path), tokenizer, PAD, books)
+        R.load_labels(str(path), tokenizer, books)
     assert "list of 64 token ids" in one_line_error(failure)
 
 
@@ -362,7 +368,7 @@ def test_unsupported_label_types_are_a_one_line_error(tmp_path, tokenizer, recor
         batch_size=1, labels=R.LabelHParams(num_train=2), task=R.TaskHParams(query_length=8, response_length=4)
     )
     with pytest.raises(SystemExit) as failure:
-        R.load_labels(str(path), tokenizer, PAD, args)
+        R.load_labels(str(path), tokenizer, args)
     message = one_line_error(failure)
     assert f"label type {kind} not supported" in message and "record 0" in message and str(path) in message
 

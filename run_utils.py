@@ -1,0 +1,854 @@
+"""Run tooling for train_reward_accelerate.py and train_policy_accelerate.py: everything a run needs that is not the
+RLHF algorithm, written once (CleanRL's split: its scripts import `cleanrl_utils`).
+
+Here: the tooling flags both scripts inherit (`RunArgs`), one-line errors and input checks, the Hugging Face Hub,
+the query texts as files or Hub datasets, the output directory and atomic writes, checkpoints and exact resume,
+SIGTERM / Ctrl-C, metrics (metrics.jsonl, TensorBoard, wandb), console and progress, and timing / MFU. Every tensor
+operation of the algorithm is in the script that runs it: nothing here defines a model, calls `backward()` or
+`generate()`, or imports the scripts (tests/test_run_utils.py checks all three).
+"""
+
+import ctypes
+import json
+import math
+import netrc
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal, NoReturn, Optional
+from urllib.parse import urlparse
+
+import numpy as np
+import torch
+import tyro
+from accelerate.utils import gather_object
+from rich.console import Console
+from rich.progress import track
+from rich.table import Table
+
+CHECKPOINT_FORMAT = 2  # 2: accelerate's save_state layout (1, before it: model.pt / optimizer.pt / processes.pt)
+RUN_LOGS = ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl")  # copied into each checkpoint
+GLIBC_M_TRIM_THRESHOLD, GLIBC_M_MMAP_THRESHOLD = -1, -3  # mallopt() parameter numbers from glibc's malloc.h
+console = Console()  # one console for progress bars, tables and lines, so that printed lines never tear a bar
+
+
+@dataclass
+class RunArgs:
+    track: bool = False
+    """log to Weights & Biases (needs `wandb login` or WANDB_API_KEY; WANDB_MODE=offline needs neither)"""
+    wandb_project_name: str = "lm-human-preferences"
+    """wandb project"""
+    wandb_entity: Optional[str] = None
+    """wandb entity (team or user)"""
+    tensorboard: bool = True
+    """write TensorBoard event files into --output-dir (`tensorboard --logdir runs` shows every run)"""
+    output_dir: Optional[str] = None
+    """where args.json, metrics.jsonl, the logs and the trained model go; runs/<run_name> when not given"""
+    overwrite: bool = False
+    """start again in an output directory that holds a previous run (its logs and checkpoints go)"""
+    resume: bool = False
+    """continue the run in --output-dir from its newest checkpoint (from scratch if it has none; returns at once if it
+    finished); every flag that changes the math must be as before"""
+    checkpoint_every: int = 0
+    """write a checkpoint (model, optimizer, RNG states, data position, logs) every this many steps into
+    --output-dir/checkpoints (0: only when stopped by SIGTERM or Ctrl-C)"""
+    checkpoint_keep: int = 2
+    """keep the newest this many checkpoints"""
+    dry_run: bool = False
+    """check every flag and every input the run will read, print the derived sizes and exit before loading a model"""
+    mixed_precision: Literal["no", "bf16"] = "no"
+    """bf16: forwards under bf16 autocast with fp32 master weights and optimizer state; log-softmax, losses, rewards
+    and advantages stay fp32 (a GPU speed option: on CPUs without bf16 units it is slower)"""
+    allow_tf32: bool = False
+    """TF32 matmuls on Ampere and newer GPUs (faster, ~1e-3 relative error per matmul); no effect on CPU"""
+    gradient_checkpointing: bool = False
+    """recompute the trained model's activations in the backward pass instead of keeping them (memory knob for large
+    models, ~30% more compute; same math to float rounding)"""
+    peak_tflops: Optional[float] = None
+    """the device's peak TFLOP/s (per process); with it, MFU (model FLOPs per second / peak) is logged as time/mfu_*
+    (benchmark/throughput.py measures a peak with a matmul benchmark)"""
+    upload_model: bool = False
+    """push the trained model directory to the Hugging Face Hub as --hf-repo-id (access is checked before training)"""
+    hf_repo_id: Optional[str] = None
+    """Hub repo for --upload-model (default: the run name)"""
+    world_size: tyro.conf.Suppress[Optional[int]] = None
+    run_name: tyro.conf.Suppress[Optional[str]] = None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# errors and input checks
+def fail(message: str) -> NoReturn:
+    """Stop with a one-line error (no traceback) and a non-zero exit code."""
+    raise SystemExit(f"error: {message}")
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+@contextmanager
+def flag_errors(flag: str, value, what: str):
+    """A loader's error (file missing, unreadable, not what it should be) as one line naming the flag and value."""
+    try:
+        yield
+    except (OSError, ValueError, KeyError, ImportError) as error:
+        fail(f"{flag} {value!r}: {what} ({first_line(error)})")
+
+
+def exact_div(total: int, parts: int, flags: str) -> int:
+    """A global size split into per-process / per-micro-batch sizes (OAI utils.exact_div), or a one-line error."""
+    if total <= 0:
+        fail(f"{flags.split(' ')[0]} must be positive, got {total}")
+    if total % parts != 0:
+        fail(f"{flags}: {total} is not divisible into {parts} equal parts; change the flags so that it is")
+    return total // parts
+
+
+def require_positive(**values) -> None:
+    """Every named flag (given as flag_name=value) is > 0."""
+    for name, value in values.items():
+        if value is not None and not value > 0:
+            fail(f"--{name.replace('__', '.').replace('_', '-')} must be positive, got {value}")
+
+
+def fill_defaults(config, defaults: dict) -> None:
+    """Give every field of `config` still at None (its flag not given) the task's default; `defaults` maps field
+    paths relative to `config` (e.g. "ppo.lr") to values."""
+    for path, value in defaults.items():
+        *parents, name = path.split(".")
+        owner = config
+        for parent in parents:
+            owner = getattr(owner, parent)
+        if getattr(owner, name) is None:
+            setattr(owner, name, value)
+
+
+def check_run_args(args) -> None:
+    """Derived values and checks of the tooling flags (each script's validate_args calls it)."""
+    NOT_CHECKED.clear()
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    require_positive(peak_tflops=args.peak_tflops, checkpoint_keep=args.checkpoint_keep)
+    if args.checkpoint_every < 0:
+        fail("--checkpoint-every must be >= 0")
+    if args.resume and args.overwrite:
+        fail("--resume continues the run in --output-dir and --overwrite starts it again: pass one of them")
+    if args.resume and args.output_dir is None:
+        fail("--resume needs the --output-dir of the run to continue")
+    args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    args.output_dir = args.output_dir or os.path.join("runs", args.run_name)
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hub_is_reachable(timeout: float = 3.0) -> bool:
+    """A TCP connect to the Hub endpoint; the libraries themselves retry for ~25 s per file when offline."""
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def check_source(value: str, flag: str) -> None:
+    """Fail fast on a flag value that is neither a local path nor something the Hub can serve now; checked once at
+    start-up (the loaders later turn any remaining error into one line too)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if os.path.exists(value):
+        return
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        fail(f"{flag} {value!r}: no such file or directory")
+    if not hub_offline() and not hub_is_reachable():
+        fail(
+            f"{flag} {value!r} is not a local path and the Hugging Face Hub is unreachable: pass a local path to {flag}"
+        )
+
+
+NOT_CHECKED: list[str] = []  # the inputs a --dry-run did not fetch from the Hub (reset by check_run_args)
+
+
+def available(value: str, flag: str, dry_run: bool, local: Optional[bool] = None) -> bool:
+    """Whether an input can be read now: a local path always, a Hub name after a reachability check (fail fast) — but
+    a --dry-run fetches nothing from the Hub: the input and what depends on it are listed as not checked."""
+    local = os.path.exists(value) if local is None else local
+    if not local and dry_run:
+        NOT_CHECKED.append(f"{flag} {value} (on the Hub)")
+        return False
+    if not local:
+        check_source(value, flag)
+    return True
+
+
+def print_dry_run(args, keys: tuple[str, ...]) -> None:
+    """The one line a successful --dry-run prints: the derived sizes, and which Hub inputs it did not fetch."""
+    report = {"dry_run": "ok", **{key: getattr(args, key) for key in keys}}
+    print(json.dumps({**report, **({"not_checked": NOT_CHECKED} if NOT_CHECKED else {})}))
+
+
+def check_services(args) -> None:
+    """--tensorboard needs its package, --track and --upload-model credentials: checked before anything is written."""
+    if args.tensorboard:
+        require_package("tensorboard", "tensorboard", "--tensorboard (on by default; --no-tensorboard turns it off)")
+    if args.track and os.environ.get("WANDB_MODE", "").lower() not in ("offline", "disabled", "dryrun"):
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            fail("--track needs the wandb package: pip install wandb")
+        host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+        netrc_path = os.environ.get("NETRC", os.path.expanduser("~/.netrc"))
+        try:
+            in_netrc = os.path.isfile(netrc_path) and netrc.netrc(netrc_path).authenticators(host) is not None
+        except (netrc.NetrcParseError, OSError):
+            in_netrc = False
+        if not (os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE") or in_netrc):
+            fail("--track: no wandb credentials; run `wandb login` (or set WANDB_API_KEY, or WANDB_MODE=offline)")
+    if args.upload_model:
+        if hub_offline() or not hub_is_reachable():
+            fail("--upload-model: the Hugging Face Hub is unreachable (or HF_HUB_OFFLINE=1)")
+        from huggingface_hub import HfApi
+
+        with flag_errors("--upload-model", args.hf_repo_id or args.run_name, "no Hub access; run `hf auth login`"):
+            HfApi().whoami()
+
+
+def hub_file(repo: str, filename: str, flag: str) -> str:
+    """A local file, or a file of a Hub dataset repo (downloaded once into the Hugging Face cache), or of a local
+    directory laid out like one."""
+    if os.path.isfile(filename):
+        return filename
+    if os.path.isdir(repo):
+        if not os.path.isfile(os.path.join(repo, filename)):
+            fail(f"{flag} {filename!r}: no such file, nor in the local directory {repo!r}")
+        return os.path.join(repo, filename)
+    if os.path.isabs(filename) or filename.startswith("."):
+        fail(f"{flag} {filename!r}: no such file")
+    if not hub_offline() and not hub_is_reachable():
+        fail(f"{flag} {filename!r} is not a local file and the Hugging Face Hub (dataset {repo!r}) is unreachable: "
+             f"pass a local file to {flag}")  # fmt: skip
+    from huggingface_hub import hf_hub_download
+
+    where = "not in the Hugging Face cache and HF_HUB_OFFLINE=1" if hub_offline() else f"not found in {repo!r}"
+    with flag_errors(flag, filename, f"{where}; pass a local file to {flag}"):
+        return hf_hub_download(repo, filename, repo_type="dataset")
+
+
+@contextmanager
+def quiet_load_report():
+    """transformers' loading report (a warning listing unused or missing weights) off while in the block."""
+    from transformers.utils import logging
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+
+
+def require_causal_lm(config, value: str, flag: str) -> None:
+    """Fail before any weights load unless the model was saved as a causal LM (its config's `architectures`, e.g.
+    GPT2LMHeadModel or LlamaForCausalLM; an encoder such as BertModel would load with a random LM head)."""
+    architectures = config.architectures or []
+    if architectures and not any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures):
+        fail(f"{flag} {value!r} is not a causal LM (saved as {', '.join(architectures)})")
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of the token → id map: the reward model and the policy must read tokens the same way."""
+    import hashlib
+
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]))
+    return hashlib.sha256(vocab.encode()).hexdigest()[:16]
+
+
+LABEL_ANSWER_KEYS = (("score", "scalar_rating"), ("difference", "scalar_compare"), ("choice", "pairwise"))
+"""OAI's label_types.py tells label types by their answer key; best-of-N records answer with `best`."""
+
+
+def read_label_records(path: str, lengths: dict[str, int], vocab_size: int, pad_ids: tuple, num_samples: int) -> list:
+    """Read and check a best-of-N label file (OAI's schema: a JSON list of {query, sample0..sample{N-1}, best}, token
+    ids); every problem is one line naming the file and the record."""
+    flag = "--label-dataset"
+    try:
+        records = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        fail(f"{flag} {path}: not a readable JSON file ({first_line(error)})")
+    if not isinstance(records, list):
+        fail(f"{flag} {path}: expected a JSON list of label records, got {type(records).__name__}")
+    expected = f"best-of-{num_samples} records need query, {', '.join(k for k in lengths if k != 'query')}, best"
+    for index, record in enumerate(records):
+        where = f"{flag} {path}: record {index}"
+        if not isinstance(record, dict):
+            fail(f"{where} is not an object")
+        indices = [int(key[6:]) for key in record if key.startswith("sample") and key[6:].isdigit()]
+        kind = next((kind for key, kind in LABEL_ANSWER_KEYS if key in record and "best" not in record),
+                    f"best_of_{max(indices, default=num_samples - 1) + 1}")  # fmt: skip
+        if kind != f"best_of_{num_samples}":
+            fail(f"{where}: label type {kind} not supported (keys: {', '.join(sorted(record))}); {expected}")
+        for key, length in lengths.items():
+            if key not in record:
+                fail(f"{where} has no {key!r} ({expected})")
+            if not isinstance(record[key], list) or len(record[key]) != length:
+                fail(
+                    f"{where}: {key!r} must be a list of {length} token ids (--task.query-length/--task.response-length)"
+                )
+        if not isinstance(record.get("best"), int) or not 0 <= record["best"] < num_samples:
+            fail(f"{where}: 'best' must be an integer in 0..{num_samples - 1}, got {record.get('best')!r}")
+    tokens = np.asarray([[t for key in lengths for t in record[key]] for record in records] or [[0]])
+    keys = [key for key, length in lengths.items() for _ in range(length)]  # the record key of each column
+    if tokens.dtype.kind not in "iub":  # a float, string or null somewhere
+        index, column = next(
+            (i, j) for i, row in enumerate(tokens.tolist()) for j, t in enumerate(row) if type(t) is not int
+        )
+        fail(f"{flag} {path}: record {index}: {keys[column]!r} has token id {tokens[index][column]!r}, not an integer")
+    bad = ~(((tokens >= 0) & (tokens < vocab_size)) | np.isin(tokens, pad_ids))
+    if bad.any():
+        index = int(bad.any(1).argmax())
+        column = int(bad[index].argmax())
+        fail(f"{flag} {path}: record {index}: {keys[column]!r} has token id {tokens[index][column]} outside the "
+             f"vocabulary of {vocab_size} tokens")  # fmt: skip
+    return records
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# query texts: a local file or a Hub dataset
+class QueryTexts:
+    """The query texts of --task.query-dataset, `rows_per_text` consecutive rows joined into one text (Hub
+    `bookcorpus` has one sentence per row, in book order; OAI's queries were multi-sentence passages).
+
+    A local .txt (one row per line), .jsonl or .json (a list of objects) file is read into memory and shuffled in full
+    each epoch. A Hub dataset (or a local directory laid out like one) is streamed, never downloaded whole: each
+    process reads its own part of the stream through a seeded shuffle buffer, so an epoch order is as reproducible as
+    a file's and a resumed run skips the texts it already used."""
+
+    SHUFFLE_BUFFER = 10_000  # texts in a Hub stream's shuffle buffer
+
+    def __init__(self, name: str, config: Optional[str], field: str, rows_per_text: int = 1):
+        self.name, self.config, self.field, self.rows_per_text = name, config, field, rows_per_text
+        self.rows = self.read_file() if os.path.isfile(name) else None
+        self.stream = self.open_stream() if self.rows is None else None
+        if self.rows is not None:
+            self.texts = [
+                " ".join(row for row in self.rows[i : i + rows_per_text] if row)
+                for i in range(0, len(self.rows) - rows_per_text + 1, rows_per_text)
+            ]
+
+    def read_file(self) -> list[str]:
+        path, flag = self.name, "--task.query-dataset"
+        with flag_errors(flag, path, "cannot read it"):
+            content = Path(path).read_text(encoding="utf-8")
+        if path.endswith((".json", ".jsonl")):
+            try:
+                rows = [json.loads(line) for line in content.splitlines() if line.strip()]
+                rows = rows[0] if path.endswith(".json") and len(rows) == 1 and isinstance(rows[0], list) else rows
+            except json.JSONDecodeError as error:
+                try:  # a .json file with a list spread over several lines
+                    rows = json.loads(content)
+                except json.JSONDecodeError:
+                    fail(f"{flag} {path!r}: not JSON lines or a JSON list ({first_line(error)})")
+            if not all(isinstance(row, dict) and self.field in row for row in rows):
+                fail(f"--task.query-field {self.field!r} is not a field of every record of {path}")
+            return [str(row[self.field]) for row in rows]
+        return content.splitlines()
+
+    def open_stream(self):
+        """The Hub dataset as a stream of texts. A repo that still ships a loading script (refused by `datasets` >= 4)
+        is read from the Hub's automatic Parquet conversion (revision refs/convert/parquet) instead."""
+        import datasets
+
+        datasets.disable_progress_bars()
+        flag = f"--task.query-dataset {self.name!r} (--task.query-dataset-config {self.config!r})"
+        check_source(self.name, "--task.query-dataset")
+        try:
+            stream = datasets.load_dataset(self.name, self.config, split="train", streaming=True)
+        except RuntimeError as error:  # "Dataset scripts are no longer supported"
+            if "scripts are no longer supported" not in str(error):
+                raise
+            console.print(f"{self.name}: its Hub repo ships a loading script; reading its Parquet conversion")
+            with flag_errors(flag, "refs/convert/parquet", "cannot load the Parquet conversion"):
+                stream = datasets.load_dataset(
+                    self.name, self.config, split="train", streaming=True, revision="refs/convert/parquet"
+                )
+        except (OSError, ValueError, ConnectionError) as error:
+            fail(f"{flag}: cannot load ({first_line(error)})")
+        if self.field not in (stream.column_names or next(iter(stream))):
+            fail(f"--task.query-field {self.field!r} is not a column of {self.name} ({stream.column_names})")
+        stream = stream.select_columns([self.field])
+        if self.rows_per_text > 1:  # consecutive rows, before any shuffling
+            stream = stream.batch(self.rows_per_text, drop_last_batch=True)
+            return stream.map(lambda batch: {self.field: " ".join(row for row in batch[self.field] if row)})
+        return stream
+
+    def epoch(self, epoch: int, seed: int, rank: int, world_size: int, start: int = 0):
+        """This process's texts of one epoch in a seeded order that all processes share (process r takes every
+        world_size-th), from the `start`-th on."""
+        if self.rows is not None:
+            order = np.random.default_rng([seed, epoch]).permutation(len(self.texts))[rank::world_size]
+            return (self.texts[i] for i in order[start:])
+        from datasets.distributed import split_dataset_by_node
+
+        stream = self.stream.shuffle(seed=seed, buffer_size=self.SHUFFLE_BUFFER)
+        stream.set_epoch(epoch)
+        stream = split_dataset_by_node(stream, rank=rank, world_size=world_size).skip(start)
+        return (row[self.field] for row in stream)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the output directory, atomic writes
+def write_text_atomic(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def save_directory_atomic(path: Path, write) -> None:
+    """write(tmp_dir) then rename: a crash never leaves a half-written directory under the final name."""
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir(parents=True)
+    write(temporary)
+    if path.exists():
+        previous = path.with_name(f".{path.name}.old-{os.getpid()}")
+        os.replace(path, previous)
+        os.replace(temporary, path)
+        shutil.rmtree(previous)
+    else:
+        os.replace(temporary, path)
+
+
+def prepare_output_dir(output_dir: str, finished_marker: str, overwrite: bool, resume: bool) -> Path:
+    """Create the output directory, refusing to touch a previous run unless told how (--resume or --overwrite), and
+    check it is writable now, not after hours of training."""
+    path = Path(output_dir)
+    finished = (path / finished_marker).exists()
+    if not (overwrite or resume) and (finished or any((path / n).exists() for n in ("metrics.jsonl", "checkpoints"))):
+        what = "a finished run" if finished else "an unfinished run"
+        fail(
+            f"--output-dir {output_dir!r} already holds {what}; pass --resume to continue it, --overwrite to start "
+            "again, or another --output-dir"
+        )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        fail(f"--output-dir {output_dir!r} is not writable ({error.strerror})")
+    return path
+
+
+def flat_dict(config: dict, prefix: str = "") -> dict:
+    items = [
+        flat_dict(v, f"{prefix}{k}.").items() if isinstance(v, dict) else [(prefix + k, v)] for k, v in config.items()
+    ]
+    return dict(item for group in items for item in group)
+
+
+def check_resume_args(output_dir: Path, args, may_change: set[str]) -> None:
+    """--resume continues the same run: every flag that changes the math must equal the first attempt's."""
+    saved_path = output_dir / "args.json"
+    if not saved_path.is_file():
+        return  # the first attempt died before writing anything: resuming starts from scratch
+    saved, current = flat_dict(json.loads(saved_path.read_text())), flat_dict(json.loads(json.dumps(asdict(args))))
+    changed = sorted(key for key in current if key not in may_change and saved.get(key) != current[key])
+    if changed:
+        fail(f"--resume: {', '.join('--' + key.replace('_', '-') for key in changed)} differ from {saved_path}")
+
+
+RESUME_MAY_CHANGE = {
+    "resume",
+    "overwrite",
+    "run_name",
+    "checkpoint_every",
+    "checkpoint_keep",
+    "track",
+    "tensorboard",
+    "dry_run",
+    "wandb_project_name",
+    "wandb_entity",
+    "upload_model",
+    "hf_repo_id",
+    "world_size",
+}  # fmt: skip (the tooling flags that a resumed run may change; each script adds its per-process sizes)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# one run: its directory, logs, checkpoints and stop signals
+class Run:
+    """Everything of a run that is not the algorithm, on every process (only process 0 writes files and prints):
+    output directory and resume (`resume`, `checkpoint_if_due`), SIGTERM / Ctrl-C, metrics.jsonl + TensorBoard +
+    wandb (`log`, `table`), console and progress (`print`, `progress`), the trained model (`save_result`)."""
+
+    def __init__(self, args, accelerator, result: str, may_change: set[str], step_name: str = "step"):
+        self.args, self.accelerator, self.result, self.step_name = args, accelerator, result, step_name
+        self.main, self.console = accelerator.is_main_process, console
+        self.output_dir = prepare_output_dir(args.output_dir, result, args.overwrite, args.resume)
+        accelerator.wait_for_everyone()  # every process has looked at the directory before process 0 writes to it
+        self.finished = args.resume and (self.output_dir / result).is_dir()
+        self.start_step, self.start_time, self.stop_signal, self.checkpoint = 0, time.time(), None, None
+        self.file = self.tensorboard = self.wandb = None
+        if self.finished:
+            self.print(f"--resume: {self.output_dir} holds a finished run ({result}/ exists); nothing to do")
+            return
+        if args.resume:
+            check_resume_args(self.output_dir, args, RESUME_MAY_CHANGE | may_change)
+            self.checkpoint = (self.checkpoints() or [None])[-1]
+        if self.main:
+            self.start_files()
+        accelerator.wait_for_everyone()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self.handle_signal)
+        if not sys.stdout.isatty():  # a log file: no "Loading weights" / "Writing model shards" bars in it
+            from transformers.utils import logging
+
+            logging.disable_progress_bar()
+
+    # -- files ---------------------------------------------------------------------------------------------------------
+    def start_files(self) -> None:
+        """The logs as they were at the checkpoint being resumed (rows written after it by the killed process go), or
+        none on a fresh start; then args.json, metrics.jsonl, TensorBoard and wandb."""
+        checkpoints = self.output_dir / "checkpoints"
+        for stale in checkpoints.glob(".step-*"):
+            shutil.rmtree(stale)  # temporaries of a process killed while writing a checkpoint
+        if self.checkpoint is None:
+            shutil.rmtree(checkpoints, ignore_errors=True)
+            for events in self.output_dir.glob("events.out.tfevents.*"):
+                events.unlink()
+            write_text_atomic(self.output_dir / "args.json", json.dumps(asdict(self.args), indent=2))
+        for name in RUN_LOGS:
+            if self.checkpoint is not None and (self.checkpoint / name).exists():
+                shutil.copyfile(self.checkpoint / name, self.output_dir / name)
+            else:
+                (self.output_dir / name).unlink(missing_ok=True)
+        self.file = open(self.output_dir / "metrics.jsonl", "a")
+        resumed_step = (
+            0 if self.checkpoint is None else json.loads((self.checkpoint / "state.json").read_text())["step"]
+        )
+        if self.args.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: a resumed run hides the events the killed attempt wrote after its checkpoint
+            self.tensorboard = SummaryWriter(self.output_dir, purge_step=resumed_step + 1 if resumed_step else None)
+        if self.args.track:
+            import wandb
+
+            id_file = self.output_dir / "wandb_run_id"  # --resume continues the same wandb run
+            run_id = id_file.read_text().strip() if self.args.resume and id_file.is_file() else os.urandom(4).hex()
+            write_text_atomic(id_file, run_id)
+            self.wandb = wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity,
+                                    name=self.args.run_name, config=asdict(self.args), id=run_id, resume="allow")  # fmt: skip
+            self.first_new_step = self.wandb.step  # 0, or one past the steps an interrupted attempt already sent
+
+    def append_jsonl(self, name: str, rows: list[dict]) -> None:
+        if self.main:
+            with open(self.output_dir / name, "a") as file:
+                file.writelines(json.dumps(row) + "\n" for row in rows)
+
+    def save_result(self, write) -> Path:
+        """The trained model: write(directory) on process 0 into a temporary directory, renamed when complete; then
+        pushed to the Hub with --upload-model."""
+        path = self.output_dir / self.result
+        self.accelerator.wait_for_everyone()
+        if self.main:
+            save_directory_atomic(path, write)
+            self.print(f"saved {path}")
+            if self.args.upload_model:
+                from huggingface_hub import HfApi
+
+                repo = self.args.hf_repo_id or self.args.run_name
+                with flag_errors("--upload-model", repo, "upload failed"):
+                    url = HfApi().create_repo(repo, exist_ok=True).repo_id
+                    HfApi().upload_folder(repo_id=url, folder_path=path)
+                self.print(f"uploaded {path} to the Hub as {url}")
+        self.accelerator.wait_for_everyone()
+        return path
+
+    # -- logs ----------------------------------------------------------------------------------------------------------
+    def print(self, text: str) -> None:
+        if self.main:
+            self.console.print(text, highlight=False, soft_wrap=True)
+
+    def log(self, row: dict, step: int) -> None:
+        """One row of metrics.jsonl (flushed), the same values to TensorBoard and wandb."""
+        if not self.main:
+            return
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.tensorboard is not None:
+            for key, value in row.items():
+                if "/" in key:
+                    self.tensorboard.add_scalar(key, value, step)
+        if self.wandb is not None and step >= self.first_new_step:  # a resumed run repeats the same rows
+            self.wandb.log(row, step=step)
+
+    def samples(self, filename: str, step: int, columns: dict[str, list]) -> None:
+        """Sample responses: rows of `filename` (JSON lines with the step), and a table (console, TensorBoard, wandb)."""
+        rows = [dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)]
+        self.append_jsonl(filename, [{self.step_name: step, **row} for row in rows])
+        self.table(
+            f"{self.step_name} {step}",
+            [name.replace("_", " ") for name in columns],
+            [list(r.values()) for r in rows],
+            step,
+        )
+
+    def table(self, title: str, columns: list[str], rows: list[list], step: int, name: str = "samples") -> None:
+        """A table on the console, as text in TensorBoard and as a wandb table."""
+        if not self.main:
+            return
+        cells = [[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row] for row in rows]
+        table = Table(title=title, show_lines=True)
+        for column in columns:
+            table.add_column(column)
+        for row in cells:
+            table.add_row(*row)
+        self.console.print(table)
+        if self.tensorboard is not None:
+            lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            lines += [
+                "| " + " | ".join(cell.replace("|", "\\|").replace("\n", " ") for cell in row) + " |" for row in cells
+            ]
+            self.tensorboard.add_text(name, "\n".join(lines), step)
+        if self.wandb is not None and step >= self.first_new_step:
+            import wandb
+
+            self.wandb.log({name: wandb.Table(columns=columns, data=rows)}, step=step)
+
+    def progress(self, iterable, description: str, log_every_s: float = 60.0):
+        """rich's progress bar on a terminal. rich draws nothing into a file until the loop ends, so when stdout is a
+        log (sbatch, nohup, a pipe) print a plain line instead after the first item and then every `log_every_s` s."""
+        if not self.main:
+            yield from iterable
+        elif sys.stdout.isatty():
+            yield from track(iterable, description, console=self.console)
+        else:
+            total, start, last_line = len(iterable), time.perf_counter(), -math.inf
+            for done, item in enumerate(iterable, 1):
+                yield item
+                now = time.perf_counter()
+                if done == total or now - last_line >= log_every_s:  # the first item too: last_line starts at -inf
+                    last_line, elapsed = now, now - start
+                    left = elapsed / done * (total - done)
+                    print(f"{description}: {done}/{total} ({done / total:.0%}), {elapsed:.0f} s, ~{left:.0f} s left",
+                          flush=True)  # fmt: skip
+
+    def elapsed(self) -> float:
+        """Seconds of training so far, over every attempt of a resumed run."""
+        return time.time() - self.start_time
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+    # -- checkpoints and stop signals ----------------------------------------------------------------------------------
+    def handle_signal(self, signum, frame) -> None:
+        """SIGTERM (Slurm preemption or requeue, `scancel`) or Ctrl-C only set a flag; the training loop stops after
+        the step in progress, with a checkpoint (`checkpoint_if_due`). A second Ctrl-C stops at once, without one."""
+        if signum == signal.SIGINT and self.stop_signal is not None:
+            self.print("Ctrl-C again: stopped at once, without a checkpoint")
+            raise SystemExit(128 + signum)
+        self.stop_signal = max(self.stop_signal or 0, signum)
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        self.print(f"{what}: stopping after this {self.step_name} with a checkpoint (Ctrl-C again: stop at once)")
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoints, oldest first: a checkpoint is written under a temporary name and renamed when complete,
+        so a process killed mid-write leaves only a hidden temporary directory, never a checkpoint that looks complete."""
+        return sorted((self.output_dir / "checkpoints").glob("step-*"))
+
+    def resume(self) -> Optional[dict]:
+        """Called after accelerator.prepare(): on --resume, load the newest checkpoint's model, optimizer and every
+        process's RNG states (accelerate's load_state) and return what else it saved (this process's part under
+        "process"); None on a fresh start."""
+        if self.checkpoint is None:
+            return None
+        state = json.loads((self.checkpoint / "state.json").read_text())
+        if state.get("format") != CHECKPOINT_FORMAT:
+            fail(
+                f"--resume: {self.checkpoint} was written by an older version of the scripts; start again with --overwrite"
+            )
+        if state["world_size"] != self.accelerator.num_processes:
+            fail(f"--resume: {self.checkpoint} was written by {state['world_size']} processes, this run has "
+                 f"{self.accelerator.num_processes}; resume with the same number")  # fmt: skip
+        self.accelerator.load_state(str(self.checkpoint))
+        state["process"] = state.pop("processes")[self.accelerator.process_index]
+        self.start_step, self.start_time = state["step"], time.time() - state["elapsed"]
+        self.print(f"resumed from {self.checkpoint} at {self.step_name} {self.start_step + 1}")
+        return state
+
+    def checkpoint_if_due(self, step: int, state: dict, process_state: dict) -> None:
+        """checkpoints/step-N every --checkpoint-every steps, and after a SIGTERM / Ctrl-C on any process, after which
+        the run stops (exit 143 / 130, so a requeued job resumes from it)."""
+        stopping = self.accelerator.reduce(
+            torch.tensor(float(self.stop_signal or 0), device=self.accelerator.device), "max"
+        )
+        signum = int(stopping.item())  # every process stops after the same step
+        if signum or (self.args.checkpoint_every and step % self.args.checkpoint_every == 0):
+            path = self.save_checkpoint(step, state, process_state)
+            if signum:
+                self.print(f"stopped by {signal.Signals(signum).name} after {self.step_name} {step}: wrote {path}; "
+                           "continue with --resume")  # fmt: skip
+                self.close()
+                raise SystemExit(128 + signum)
+
+    def save_checkpoint(self, step: int, state: dict, process_state: dict) -> Path:
+        """All that continuing exactly after `step` needs: model, optimizer and every process's RNG states (accelerate's
+        save_state), `state` (counters, KL controller), every process's `process_state` (query stream position) and
+        copies of the logs, in a temporary directory renamed when complete; only the newest --checkpoint-keep stay."""
+        processes = gather_object([process_state])  # one per process, in process order
+        final = self.output_dir / "checkpoints" / f"step-{step:08d}"
+        temporary = final.with_name(f".{final.name}.tmp")
+        self.accelerator.save_state(str(temporary), safe_serialization=False)  # every process writes its RNG file
+        self.accelerator.wait_for_everyone()
+        if self.main:
+            for name in RUN_LOGS:
+                if (self.output_dir / name).exists():
+                    shutil.copyfile(self.output_dir / name, temporary / name)
+            info = dict(format=CHECKPOINT_FORMAT, step=step, world_size=self.accelerator.num_processes,
+                        elapsed=self.elapsed(), **state, processes=processes)  # fmt: skip
+            (temporary / "state.json").write_text(json.dumps(info))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(temporary, final)
+            for old in self.checkpoints()[: -self.args.checkpoint_keep]:
+                shutil.rmtree(old)
+        self.accelerator.wait_for_everyone()
+        return final
+
+    def stop_if_not_finite(self, row: dict, step: int, where: str = "") -> None:
+        """Stop at the first non-finite metric (a NaN/inf loss, reward or KL poisons everything after it)."""
+        bad = [key for key, value in row.items() if isinstance(value, float) and not math.isfinite(value)]
+        if bad:
+            good = self.checkpoints()
+            fail(f"non-finite {', '.join(bad)} at {self.step_name} {step}{where}; stopped before saving: no "
+                 f"{self.result}/ written, last good checkpoint: {good[-1] if good else 'none'}")  # fmt: skip
+
+
+def first_non_finite(per_item: torch.Tensor, sizes: dict[str, int], rank: int) -> str:
+    """Where the first non-finite row of `per_item` (one row per nested loop iteration, e.g. epoch × minibatch ×
+    micro-batch with `sizes` in that order) is: ", first in epoch 0, micro-batch 3 on process 1", or ""."""
+    bad = (~torch.isfinite(per_item).reshape(len(per_item), -1).all(1)).nonzero()
+    if not len(bad):
+        return ""
+    index, parts = bad[0].item(), []
+    for name, size in reversed(sizes.items()):
+        index, position = divmod(index, size)
+        parts.insert(0, f"{name} {position}")
+    return f", first in {', '.join(parts)} on process {rank}"
+
+
+def reduce_metrics(accelerator, means: dict[str, torch.Tensor], spreads: Optional[dict] = None) -> dict[str, float]:
+    """Every metric of a step in one collective: `means` averaged over processes, `spreads` as max - min over them
+    (0 when the processes agree)."""
+    spreads = spreads or {}
+    local = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=accelerator.device).reshape(())
+                         for v in [*means.values(), *spreads.values()]])  # fmt: skip
+    gathered = accelerator.gather(local[None])  # (processes, metrics)
+    mean_values = gathered[:, : len(means)].mean(0).tolist()
+    spread_values = (gathered[:, len(means) :].max(0).values - gathered[:, len(means) :].min(0).values).tolist()
+    return dict(zip([*means, *spreads], mean_values + spread_values, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# devices, timing, throughput
+def setup_device(accelerator, allow_tf32: bool) -> None:
+    """TF32 matmuls if asked for; on CPU, glibc keeps freed large blocks for reuse: it hands every freed block above
+    its mmap threshold (a (B, T, V) logits tensor is tens of MB) back to the kernel, and the next allocation of that
+    size page-faults it in again, zeroed (the math is unchanged; a no-op where glibc is absent)."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = allow_tf32
+    if accelerator.device.type == "cpu":
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+        except OSError:
+            return
+        libc.mallopt(GLIBC_M_MMAP_THRESHOLD, 2**30)
+        libc.mallopt(GLIBC_M_TRIM_THRESHOLD, 2**31 - 1)
+
+
+class PhaseTimer:
+    """Wall time per phase of a step (`time/...` metrics); waits for the GPU so that a phase owns its kernels."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times, self.last = device, {}, time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.times[phase] = self.times.get(phase, 0.0) + now - self.last
+        self.last = now
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory so far: GPU memory allocated by torch on CUDA, the process's peak resident size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def trunk_parameters(model) -> int:
+    """Parameters a token's forward pass multiplies with (2 FLOPs each, for MFU): all but the embedding lookup and
+    the LM head, which is counted apart on the positions that use it."""
+    skip = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
+    return sum(p.numel() for p in model.parameters() if id(p) not in skip)
+
+
+def forward_flops(lm, tokens: int, lm_head_tokens: int) -> float:
+    """Model FLOPs of one forward pass: 2 per trunk parameter and token, plus the LM head (2·d·V) where it is used."""
+    head = lm.get_output_embeddings().weight
+    return 2 * trunk_parameters(lm) * tokens + 2 * head.shape[1] * head.shape[0] * lm_head_tokens
+
+
+def mfu(flops: float, seconds: float, peak_tflops: float) -> float:
+    """Model FLOPs utilization: model FLOPs per second over the device's peak."""
+    return flops / seconds / (peak_tflops * 1e12)
+
+
+def parameter_spread(accelerator, model) -> float:
+    """max - min over processes of a float64 checksum of all parameters: 0 when every process holds the same model
+    (DDP averages gradients, so any other value means the processes drifted apart)."""
+    checksum = sum(p.detach().double().sum() + p.detach().double().square().sum() for p in model.parameters())
+    checksums = accelerator.gather(checksum.reshape(1))
+    return (checksums.max() - checksums.min()).item()
+
+
+@contextmanager
+def recorded_lm_head(lm, enabled: bool = True):
+    """For --logprobs-from-generation: record the LM head's input (final hidden state) and output (logits) at the last
+    position of every forward while in the block; inside generate() one entry per sampled token, entry t being the
+    hidden state and logits that predicted token t. Yields a list of ((B, d), (B, V)) pairs (empty if not enabled)."""
+    steps = []
+
+    def record(module, inputs, output):
+        steps.append((inputs[0][:, -1].clone(), output[:, -1].clone()))  # clone: don't keep a prefill's (B, C, V)
+
+    handle = lm.get_output_embeddings().register_forward_hook(record) if enabled else None
+    try:
+        yield steps
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def require_package(module: str, package: str, option: str) -> None:
+    """An optional dependency, checked when the option that needs it is given (not at import)."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        fail(f"{option} needs the {package} package: pip install {package}")
