@@ -237,10 +237,14 @@ def hub_file(repo: str, filename: str, flag: str) -> str:
         fail(f"{flag} {filename!r} is not a local file and the Hugging Face Hub (dataset {repo!r}) is unreachable: "
              f"pass a local file to {flag}")  # fmt: skip
     from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
-    where = "not in the Hugging Face cache and HF_HUB_OFFLINE=1" if hub_offline() else f"not found in {repo!r}"
-    with flag_errors(flag, filename, f"{where}; pass a local file to {flag}"):
+    try:
         return hf_hub_download(repo, filename, repo_type="dataset")
+    except LocalEntryNotFoundError:
+        fail(f"{flag} {filename!r}: not in the Hugging Face cache and HF_HUB_OFFLINE=1; pass a local file to {flag}")
+    except (OSError, ValueError) as error:
+        fail(f"{flag} {filename!r}: not in the Hub dataset {repo!r} ({first_line(error)}); pass a local file to {flag}")
 
 
 @contextmanager
@@ -363,27 +367,28 @@ class QueryTexts:
         return content.splitlines()
 
     def open_stream(self):
-        """The Hub dataset as a stream of texts. A repo that still ships a loading script (refused by `datasets` >= 4)
-        is read from the Hub's automatic Parquet conversion (revision refs/convert/parquet) instead."""
+        """The Hub dataset as a stream of texts. A repo that still ships a loading script (refused by `datasets` >= 4,
+        e.g. bookcorpus/bookcorpus, webis/tldr-17) is read from the Hub's automatic Parquet conversion instead
+        (revision refs/convert/parquet; there, a configuration is a directory)."""
         import datasets
 
         datasets.disable_progress_bars()
         flag = f"--task.query-dataset {self.name!r} (--task.query-dataset-config {self.config!r})"
         check_source(self.name, "--task.query-dataset")
         try:
-            stream = datasets.load_dataset(self.name, self.config, split="train", streaming=True)
-        except RuntimeError as error:  # "Dataset scripts are no longer supported"
-            if "scripts are no longer supported" not in str(error):
-                raise
-            console.print(f"{self.name}: its Hub repo ships a loading script; reading its Parquet conversion")
-            with flag_errors(flag, "refs/convert/parquet", "cannot load the Parquet conversion"):
-                stream = datasets.load_dataset(
-                    self.name, self.config, split="train", streaming=True, revision="refs/convert/parquet"
-                )
-        except (OSError, ValueError, ConnectionError) as error:
-            fail(f"{flag}: cannot load ({first_line(error)})")
-        if self.field not in (stream.column_names or next(iter(stream))):
-            fail(f"--task.query-field {self.field!r} is not a column of {self.name} ({stream.column_names})")
+            try:
+                stream = datasets.load_dataset(self.name, self.config, split="train", streaming=True)
+            except RuntimeError as error:  # "Dataset scripts are no longer supported, but found NAME.py"
+                if "scripts are no longer supported" not in str(error):
+                    raise
+                console.print(f"{self.name} ships a loading script: reading the Hub's Parquet conversion of it")
+                stream = datasets.load_dataset(self.name, split="train", streaming=True,
+                                               revision="refs/convert/parquet", data_dir=self.config)  # fmt: skip
+            columns = stream.column_names or list(next(iter(stream)))
+        except Exception as error:  # datasets, fsspec and httpx raise their own types for a missing repo or network
+            fail(f"{flag}: cannot load it ({type(error).__name__}: {first_line(error)})")
+        if self.field not in columns:
+            fail(f"--task.query-field {self.field!r} is not a column of {self.name} (columns: {columns})")
         stream = stream.select_columns([self.field])
         if self.rows_per_text > 1:  # consecutive rows, before any shuffling
             stream = stream.batch(self.rows_per_text, drop_last_batch=True)

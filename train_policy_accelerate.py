@@ -373,15 +373,18 @@ def linear_lr(base_lr: float, step: int, num_steps: int) -> float:
 
 
 def clean_query_text(text: str, task_name: str) -> str:
-    """OAI's clean-up of the summarization texts (datasets/tldr.py, cnndm.py); book passages stay as they are.
+    """Texts as OAI's queries were made of. Books: Hub `bookcorpus` is tokenized text (lower-cased, a space before
+    punctuation, `` and '' for quotes); joined back like running text (OAI's passages were), its sentences end in
+    the '.' token that OAI's start and end text look for. Summarization: OAI's clean-up (datasets/tldr.py, cnndm.py).
 
-    Both: straight quotes (OAI: ftfy), Unix newlines, at most one empty line in a row, no surrounding whitespace.
+    Summarization: straight quotes (OAI: ftfy), Unix newlines, at most one empty line in a row, no surrounding whitespace.
     cnndm also cuts at "@highlight" and drops the header before the story: the byline ("By . NAME ." in the Hub's
     `cnn_dailymail`, whose loader joins lines with spaces and ends them with " ."; "By\\nNAME\\n" in .story files),
     the Daily Mail date lines up to the last "PUBLISHED:/UPDATED: 15:36 EST, 25 October 2013" and the CNN dateline
     up to "(CNN) --" (in the first 100 characters, like OAI)."""
     if task_name not in ("tldr", "cnndm"):
-        return text
+        text = text.replace("``", '"').replace("''", '"')
+        return re.sub(r" (?=[.,!?;:)]|n't\b|'(?:s|re|ve|ll|d|m)\b)", "", text)
     if task_name == "cnndm":
         text = text.split("@highlight")[0]
         text = re.sub(r"^\s*By(?: \. .{0,80}? \. |\s*\n[^\n]*\n)", "", text)
@@ -570,7 +573,9 @@ def read_inputs(args: Args):
     --dry-run fetches nothing from the Hub, and gives None for what it could not check."""
     task, dry_run = args.task, args.dry_run
     run_utils.check_services(args)
-    if not run_utils.available(args.base_model, "--base-model", dry_run):
+    model = run_utils.available(args.base_model, "--base-model", dry_run)
+    query_texts = run_utils.available(task.query_dataset, "--task.query-dataset", dry_run)
+    if not model:
         return None, None, None
     tokenizer = load_tokenizer(args.base_model, "--base-model")
     run_utils.require_causal_lm(
@@ -579,7 +584,7 @@ def read_inputs(args: Args):
     truncate_token_id(tokenizer, task)
     reward_info = check_reward_model(args.rewards.trained_model, tokenizer)
     texts = None
-    if run_utils.available(task.query_dataset, "--task.query-dataset", dry_run):
+    if query_texts:
         texts = run_utils.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
         QueryStream(texts, tokenizer, task, tokenizer.pad_token_id, args.seed).next_batch(1)  # yields a query
     return tokenizer, reward_info, texts
@@ -779,6 +784,14 @@ def ppo_losses(new_logprobs, vpred, logprobs, values, advantages, returns, ppo: 
     return loss, stats
 
 
+def minibatches(batch_size: int, shares: int, nminibatches: int, device) -> tuple[torch.Tensor, ...]:
+    """One epoch's minibatches of row indices, (shares, rows) each: the batch is split into whitening shares (OAI's
+    ranks: see --ppo.whitening-ranks), and each share shuffles its own rows into the minibatches, as each OAI rank did."""
+    rows = torch.arange(batch_size, device=device).view(shares, -1)  # (G, B/G)
+    order = torch.stack([share[torch.randperm(share.numel(), device=device)] for share in rows])
+    return order.chunk(nminibatches, dim=1)
+
+
 def append_stats(stats: dict, new: dict) -> None:
     for key, value in new.items():
         stats.setdefault(key, []).append(value)
@@ -892,9 +905,8 @@ def main(args: Args) -> None:
     device = accelerator.device
     torch.manual_seed(args.seed)
     policy = PolicyAndValueWrapper(load_pretrained(AutoModelForCausalLM, args.base_model, "--base-model"))
-    ref_lm = (
-        load_pretrained(AutoModelForCausalLM, args.base_model, "--base-model").to(device).eval().requires_grad_(False)
-    )
+    ref_lm = load_pretrained(AutoModelForCausalLM, args.base_model, "--base-model").to(device).eval()
+    ref_lm.requires_grad_(False)
     reward_model = load_reward_model(args.rewards.trained_model, reward_info).to(device).eval().requires_grad_(False)
     for lm in (policy.lm, ref_lm):
         use_plain_sampling(lm)
@@ -950,14 +962,13 @@ def main(args: Args) -> None:
         # 3. per-token KL rewards, the score added on the last token
         kl, non_score_reward, rewards = compute_rewards(scores, logprobs, ref_logprobs, kl_coef)  # (B, T) each
         query_responses = torch.cat([contexts, responses], 1)  # (B, C' + T)
-        # 6. PPO epochs: every epoch, each whitening share of the batch (an OAI rank) shuffles its rows into minibatches
-        # detail: batches and minibatches — one optimizer step per minibatch, micro-batches only accumulate gradients
-        # (OAI train_policy.py PPOTrainer.train)
-        shares, stats = torch.arange(args.local_batch_size, device=device).view(args.local_whitening_ranks, -1), {}
+        # 6. PPO epochs
+        # detail: batches and minibatches — a fresh shuffle every epoch, one optimizer step per minibatch, its
+        # micro-batches only accumulate gradients (OAI train_policy.py PPOTrainer.train)
+        stats = {}
         policy.train()  # dropout is 0 everywhere; train mode only lets --gradient-checkpointing recompute
         for _ in range(ppo.noptepochs):
-            order = torch.stack([share[torch.randperm(share.numel(), device=device)] for share in shares])  # (G, B/G)
-            for mini_ids in order.chunk(ppo.nminibatches, dim=1):  # (G, rows): one minibatch, in G shares
+            for mini_ids in minibatches(args.local_batch_size, args.local_whitening_ranks, ppo.nminibatches, device):
                 # 4. whiten rewards and 5. GAE, over each share of the minibatch like OAI's ranks
                 advantages, returns = compute_advantages(rewards[mini_ids], values[mini_ids], ppo)  # (G, rows, T)
                 append_stats(stats, share_moments(returns, values[mini_ids]))
@@ -967,15 +978,8 @@ def main(args: Args) -> None:
                     with accelerator.accumulate(policy):
                         logits, vpred = train_forward(query_responses[ids], contexts.shape[1], pad_id, task.temperature)
                         new_logprobs, entropy = logprobs_from_logits(logits, responses[ids], with_entropy=True)
-                        loss, micro_stats = ppo_losses(
-                            new_logprobs,
-                            vpred.float(),
-                            logprobs[ids],
-                            values[ids],
-                            advantages[micro],
-                            returns[micro],
-                            ppo,
-                        )
+                        loss, micro_stats = ppo_losses(new_logprobs, vpred.float(), logprobs[ids], values[ids],
+                                                       advantages[micro], returns[micro], ppo)  # fmt: skip
                         accelerator.backward(loss)
                         optimizer.step()
                         optimizer.zero_grad()

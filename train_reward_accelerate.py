@@ -336,15 +336,18 @@ def linear_lr(base_lr: float, step: int, num_steps: int) -> float:
 
 
 def clean_query_text(text: str, task_name: str) -> str:
-    """OAI's clean-up of the summarization texts (datasets/tldr.py, cnndm.py); book passages stay as they are.
+    """Texts as OAI's queries were made of. Books: Hub `bookcorpus` is tokenized text (lower-cased, a space before
+    punctuation, `` and '' for quotes); joined back like running text (OAI's passages were), its sentences end in
+    the '.' token that OAI's start and end text look for. Summarization: OAI's clean-up (datasets/tldr.py, cnndm.py).
 
-    Both: straight quotes (OAI: ftfy), Unix newlines, at most one empty line in a row, no surrounding whitespace.
+    Summarization: straight quotes (OAI: ftfy), Unix newlines, at most one empty line in a row, no surrounding whitespace.
     cnndm also cuts at "@highlight" and drops the header before the story: the byline ("By . NAME ." in the Hub's
     `cnn_dailymail`, whose loader joins lines with spaces and ends them with " ."; "By\\nNAME\\n" in .story files),
     the Daily Mail date lines up to the last "PUBLISHED:/UPDATED: 15:36 EST, 25 October 2013" and the CNN dateline
     up to "(CNN) --" (in the first 100 characters, like OAI)."""
     if task_name not in ("tldr", "cnndm"):
-        return text
+        text = text.replace("``", '"').replace("''", '"')
+        return re.sub(r" (?=[.,!?;:)]|n't\b|'(?:s|re|ve|ll|d|m)\b)", "", text)
     if task_name == "cnndm":
         text = text.split("@highlight")[0]
         text = re.sub(r"^\s*By(?: \. .{0,80}? \. |\s*\n[^\n]*\n)", "", text)
@@ -528,23 +531,26 @@ def read_inputs(args: Args):
     the label file (schema, token ids, size), the query texts (they must yield a query), the services of --track /
     --upload-model. Returns (tokenizer, labels, query texts); a --dry-run fetches nothing from the Hub, and gives None
     for what it could not check."""
-    task, dry_run = args.task, args.dry_run
+    task, dry_run, local_labels = args.task, args.dry_run, os.path.isdir(args.label_dataset_repo)
     run_utils.check_services(args)
-    if not run_utils.available(args.base_model, "--base-model", dry_run):
+    model = run_utils.available(args.base_model, "--base-model", dry_run)
+    label_file = args.labels.source == "file" and run_utils.available(
+        args.label_dataset, "--label-dataset", dry_run, local=os.path.isfile(args.label_dataset) or local_labels
+    )
+    query_texts = run_utils.available(task.query_dataset, "--task.query-dataset", dry_run)
+    if not model:
         return None, None, None
     tokenizer = load_tokenizer(args.base_model, "--base-model")
     run_utils.require_causal_lm(
         config_without_dropout(args.base_model, "--base-model"), args.base_model, "--base-model"
     )
     truncate_token_id(tokenizer, task)
-    labels = None
-    local = os.path.isfile(args.label_dataset) or os.path.isdir(args.label_dataset_repo)
-    if args.labels.source == "file" and run_utils.available(args.label_dataset, "--label-dataset", dry_run, local):
+    labels = texts = None
+    if label_file:
         labels = load_labels(
             run_utils.hub_file(args.label_dataset_repo, args.label_dataset, "--label-dataset"), tokenizer, args
         )
-    texts = None
-    if run_utils.available(task.query_dataset, "--task.query-dataset", dry_run):
+    if query_texts:
         texts = run_utils.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
         QueryStream(texts, tokenizer, task, tokenizer.pad_token_id, args.seed).next_batch(1)  # yields a query
     return tokenizer, labels, texts

@@ -38,7 +38,9 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
 BENCHMARK_DIR = Path(__file__).resolve().parent
 OPENAI_PROJECT = "openrlbenchmark/lm-human-preferences"
-# OpenAI's wandb history (openrlbenchmark's import of their TF summaries: every key got a `ppo/` prefix) -> our name
+# OpenAI's wandb history (openrlbenchmark's import of their TF summaries: every key got a `ppo/` prefix) -> our name.
+# Same definitions on both sides: elapsed/fps is the current update's response tokens per second, ppo/returns/* and
+# ppo/val/{mean,var} are averages of per-rank-minibatch moments (train_policy_accelerate.py share_moments).
 OPENAI_METRICS = {
     "ppo/objective/score": "objective/scores",
     "ppo/objective/score_total": "objective/score_total",

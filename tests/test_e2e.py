@@ -24,10 +24,27 @@ def reward_flags(assets, output_dir, *extra, labels="labels"):
 
 
 def policy_flags(assets, reward_model, output_dir, *extra):
-    return ["--base-model", str(assets["model"]), "--rewards.trained-model", str(reward_model),
-            "--task.query-dataset", str(assets["corpus"]), "--output-dir", str(output_dir),
-            "--ppo.batch-size", "32", "--ppo.whitening-ranks", "2", "--ppo.lr", "1e-3", "--print-sample-output-freq", "5",
-            "--task.passage-rows", "1", *extra]  # fmt: skip  (each line of the tiny corpus is a passage already)
+    return [
+        "--base-model",
+        str(assets["model"]),
+        "--rewards.trained-model",
+        str(reward_model),
+        "--task.query-dataset",
+        str(assets["corpus"]),
+        "--output-dir",
+        str(output_dir),
+        "--ppo.batch-size",
+        "32",
+        "--ppo.whitening-ranks",
+        "2",
+        "--ppo.lr",
+        "1e-3",
+        "--print-sample-output-freq",
+        "5",
+        "--task.passage-rows",
+        "1",
+        *extra,
+    ]  # fmt: skip  (each line of the tiny corpus is a passage already)
 
 
 @pytest.fixture(scope="session")
@@ -233,3 +250,46 @@ def test_speed_flags_change_the_first_update_only_by_float_rounding(tiny_assets,
     for run in (generation, compiled):
         for key in ("ppo/loss/policy", "ppo/loss/value", "ppo/policy/approxkl", "ppo/val/vpred"):
             assert run[key] == pytest.approx(plain[key], abs=1e-4), key
+
+
+def test_gradient_accumulation_changes_no_metric(tiny_assets, reward_run, tmp_path):
+    """ppo/returns/* and ppo/val/* are OAI's per-rank-minibatch moments, computed on whole minibatch shares: 1 or 4
+    micro-batches give the same values (an average of micro-batch variances read 3-24% low), and so do the losses."""
+    first = {}
+    for steps in (1, 4):
+        flags = short_policy_flags(tiny_assets, reward_run, tmp_path / f"accumulation-{steps}", "--ppo.total-episodes",
+                                   "16", "--ppo.gradient-accumulation-steps", str(steps))  # fmt: skip
+        result = run_script(POLICY, *flags)
+        assert result.returncode == 0, result.stderr[-3000:]
+        first[steps] = read_jsonl(tmp_path / f"accumulation-{steps}" / "metrics.jsonl")[0]
+    assert first[1]["ppo/returns/var"] > 0.01
+    for key in ("ppo/returns/mean", "ppo/returns/var", "ppo/val/mean", "ppo/val/var", "ppo/val/var_explained",
+                "ppo/loss/value", "ppo/loss/policy", "ppo/policy/approxkl"):  # fmt: skip
+        assert first[4][key] == pytest.approx(first[1][key], abs=1e-5, rel=1e-4), key
+
+
+def test_gold_evaluation_logs_the_update_0_point_and_one_row_per_update(tiny_assets, reward_run, tmp_path):
+    """--task.gold-labeler: metrics.jsonl starts with the pretrained policy's evaluation (update 0, the "before"
+    point of the curve), then exactly one row per update; the last one also holds sync/param_spread."""
+    flags = short_policy_flags(tiny_assets, reward_run, tmp_path / "run", "--task.gold-labeler", "sentiment",
+                               "--eval-queries", "4", "--eval-every", "2")  # fmt: skip
+    result = run_script(POLICY, *flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [row["update"] for row in rows] == [0, 1, 2, 3, 4]
+    assert set(rows[0]) == {"update", "episode", "eval/gold_score", "eval/rm_score", "eval/kl"}
+    assert rows[0]["eval/kl"] == 0.0 and "eval/gold_score" in rows[2] and "eval/gold_score" in rows[4]
+    assert rows[-1]["sync/param_spread"] == 0.0 and all("sync/param_spread" not in row for row in rows[:-1])
+    events = list((tmp_path / "run").glob("events.out.tfevents.*"))
+    assert len(events) == 1 and events[0].stat().st_size > 0  # TensorBoard, on by default
+
+
+def test_a_label_file_without_spare_records_trains_without_a_held_out_evaluation(tiny_assets, tmp_path):
+    """OAI reads exactly --labels.num-train records; the held-out evaluation is ours: skipped, with a notice."""
+    result = run_script(REWARD, *reward_flags(tiny_assets, tmp_path / "run", "--labels.num-train", "128",
+                                              "--print-sample-output-freq", "4", labels="small_labels"))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "no records beyond --labels.num-train 128: no held-out evaluation" in result.stdout
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [row["step"] for row in rows if "train/loss" in row] == list(range(1, 9))
+    assert not any("test/accuracy" in row for row in rows) and (tmp_path / "run" / "reward_model").is_dir()

@@ -7,7 +7,9 @@ derivation is in the comment next to it).
 
 import ast
 import math
+import types
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -460,3 +462,103 @@ def test_logprobs_from_generation_match_the_recomputed_ones_and_skip_the_policy_
     torch.testing.assert_close(on["logprobs"], off["logprobs"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(on["values"], off["values"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(on["ref_logprobs"], off["ref_logprobs"], atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# whitening groups: OpenAI's 8 ranks, whatever the number of processes (OAI train_policy.py PPOTrainer.loss)
+
+
+def openai_whiten(x, shift_mean=True):
+    """OAI utils/core.py whiten: tf.nn.moments over all axes (biased variance), rsqrt(var + 1e-8)."""
+    mean, var = x.mean(), x.var()
+    whitened = (x - mean) / np.sqrt(var + 1e-8)
+    return whitened + mean if not shift_mean else whitened
+
+
+def openai_rank_advantages(rewards, values, gamma=1.0, lam=0.95):
+    """OAI train_policy.py PPOTrainer.loss on one rank's minibatch: whitened rewards, GAE, whitened advantages."""
+    rewards, last, advantages = openai_whiten(rewards, shift_mean=False), 0.0, []
+    for t in reversed(range(rewards.shape[1])):
+        next_values = values[:, t + 1] if t < rewards.shape[1] - 1 else 0.0
+        last = rewards[:, t] + gamma * next_values - values[:, t] + gamma * lam * last
+        advantages.append(last)
+    advantages = np.stack(advantages[::-1], axis=1)
+    return openai_whiten(advantages), advantages + values
+
+
+def synthetic_batch():
+    generator = torch.Generator().manual_seed(0)
+    rewards = torch.randn(512, 24, generator=generator, dtype=torch.float64) * torch.rand(512, 1, generator=generator)
+    values = torch.randn(512, 24, generator=generator, dtype=torch.float64)
+    return rewards, values
+
+
+def our_advantages(rank: int, processes: int):
+    """What process `rank` of `processes` computes for its rows of the global batch of 512 (one minibatch), by the
+    script's own sizes, minibatches and compute_advantages; returned in row order."""
+    args = P.validate_args(policy_args())  # WORLD_SIZE set by the caller
+    assert args.world_size == processes
+    rewards, values = (x[rank * args.local_batch_size :][: args.local_batch_size] for x in synthetic_batch())
+    (mini_ids,) = P.minibatches(args.local_batch_size, args.local_whitening_ranks, 1, "cpu")
+    advantages, returns = P.compute_advantages(rewards[mini_ids], values[mini_ids], args.ppo)  # (G, rows, T)
+    ordered = torch.zeros(2, *rewards.shape, dtype=rewards.dtype)
+    ordered[:, mini_ids.flatten()] = torch.stack([advantages.flatten(0, 1), returns.flatten(0, 1)])
+    return ordered
+
+
+def whitening_process(rank: int, port: int, output) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ["WORLD_SIZE"] = "2"  # this is a fresh process
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    gathered = [torch.zeros(2, 256, 24, dtype=torch.float64) for _ in range(2)]
+    dist.all_gather(gathered, our_advantages(rank, 2))
+    if rank == 0:
+        torch.save(torch.cat(gathered, 1), output)
+    dist.destroy_process_group()
+
+
+def test_whitening_on_1_and_2_processes_equals_openais_8_ranks(tmp_path, monkeypatch):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    one_process = our_advantages(0, 1)  # (2, 512, 24): advantages, returns
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.start_processes(whitening_process, args=(port, tmp_path / "two.pt"), nprocs=2, start_method="spawn")
+    two_processes = torch.load(tmp_path / "two.pt")
+    rewards, values = (x.numpy() for x in synthetic_batch())
+    openai = [openai_rank_advantages(rewards[64 * r : 64 * (r + 1)], values[64 * r : 64 * (r + 1)]) for r in range(8)]
+    openai = torch.from_numpy(np.stack([np.concatenate([rank[i] for rank in openai]) for i in (0, 1)]))  # 8 × 64 rows
+    torch.testing.assert_close(one_process, two_processes, atol=1e-12, rtol=0)
+    torch.testing.assert_close(one_process, openai, atol=1e-9, rtol=0)
+    whole, _ = P.compute_advantages(*synthetic_batch(), P.validate_args(policy_args()).ppo)  # one group of 512 rows
+    assert (whole - openai[0]).abs().mean() > 0.01  # what whitening over the whole process batch used to give
+
+
+def test_share_moments_are_openais_per_rank_statistics_averaged():
+    """ppo/returns/{mean,var}, ppo/val/{mean,var}: OAI's tf.nn.moments of each rank's minibatch, then the mean over
+    ranks (mpi_allreduce_mean); computed on whole shares, so gradient accumulation cannot change them."""
+    generator = torch.Generator().manual_seed(0)
+    returns, values = torch.randn(4, 8, 5, generator=generator), torch.randn(4, 8, 5, generator=generator) * 3
+    stats = P.share_moments(returns, values)
+    assert stats["ppo/returns/var"].item() == pytest.approx(returns.reshape(4, -1).var(1, unbiased=False).mean().item())
+    assert stats["ppo/val/var"].item() == pytest.approx(values.reshape(4, -1).var(1, unbiased=False).mean().item())
+    assert stats["ppo/val/mean"].item() == pytest.approx(values.mean().item())
+    micro_batches = returns.reshape(-1, 5).split(4)  # the old way: the average of micro-batch variances reads low
+    assert torch.stack([m.var(unbiased=False) for m in micro_batches]).mean() < stats["ppo/returns/var"]
+
+
+def test_elapsed_fps_is_the_current_updates_like_openai_and_the_average_is_kept_apart(monkeypatch):
+    args = P.validate_args(policy_args(batch_size=64))
+    timer = types.SimpleNamespace(times={"time/generation": 1.0})
+    run = types.SimpleNamespace(elapsed=lambda: 100.0)
+    monkeypatch.setattr(P.time, "perf_counter", lambda: 12.0)
+    stats = P.timing_stats(run, None, torch.zeros(64, 88), torch.zeros(64, 24), timer, 5, 10.0, args)
+    assert stats["elapsed/fps"] == 64 * 24 / 2.0  # this update took 2 s (OAI train_policy.py: per update)
+    assert stats["elapsed/fps_average"] == 5 * 64 * 24 / 100.0  # since the start

@@ -106,7 +106,11 @@ def test_reward_checkpoints_keep_the_newest_two_and_each_is_complete(reward_refe
     assert checkpoints(reward_reference) == ["step-00000006", "step-00000008"]
     newest = reward_reference / "checkpoints" / "step-00000008"
     assert {path.name for path in newest.iterdir()} == {
-        "pytorch_model.bin", "optimizer.bin", "random_states_0.pkl", "state.json", "metrics.jsonl"
+        "pytorch_model.bin",
+        "optimizer.bin",
+        "random_states_0.pkl",
+        "state.json",
+        "metrics.jsonl",
     }  # fmt: skip  (accelerate's save_state: model, optimizer, this process's RNG states; ours: the rest, the log)
     assert json.loads((newest / "state.json").read_text())["step"] == 8
     assert read_jsonl(newest / "metrics.jsonl")[-1]["step"] == 8

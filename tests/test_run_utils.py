@@ -22,7 +22,9 @@ def test_run_utils_holds_no_algorithm_and_imports_no_script():
     assert not [name for name in imported if name.startswith(("train_", "quickstart"))], imported
     bases = [ast.unparse(base) for node in ast.walk(tree) if isinstance(node, ast.ClassDef) for base in node.bases]
     assert not [base for base in bases if "Module" in base or "Optimizer" in base], bases
-    calls = [node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)]
+    calls = [
+        node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+    ]
     assert "backward" not in calls and "generate" not in calls and "step" not in calls
 
 

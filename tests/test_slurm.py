@@ -268,7 +268,10 @@ def tiny_chain(tmp_path: Path, model_dir: Path, num_labels: int, policy_flags: s
 
 def test_real_scripts_two_seed_array(slurm_cluster, tmp_path, tiny_model_dir):
     runs, logs, reward, policy = tiny_chain(
-        tmp_path, tiny_model_dir, 64, "--ppo.total-episodes 32 --ppo.batch-size 16 --ppo.whitening-ranks 1 --ppo.noptepochs 1"
+        tmp_path,
+        tiny_model_dir,
+        64,
+        "--ppo.total-episodes 32 --ppo.batch-size 16 --ppo.whitening-ranks 1 --ppo.noptepochs 1",
     )
     offline = (
         "export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled OMP_NUM_THREADS=1"

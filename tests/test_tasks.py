@@ -198,10 +198,12 @@ def test_cnndm_clean_up_of_crafted_articles(article, expected):
     assert R.clean_query_text(article, "cnndm") == expected
 
 
-def test_tldr_texts_are_normalized_and_book_texts_left_alone():
+def test_tldr_texts_are_normalized_and_tokenized_book_rows_joined_back():
     text = "  I (25F) said \u201chi\u201d.\r\n\r\n\r\nTL;DR he didn\u2019t  "
     assert R.clean_query_text(text, "tldr") == 'I (25F) said "hi".\n\nTL;DR he didn\'t'
-    assert R.clean_query_text(text, "sentiment") == R.clean_query_text(text, "descriptiveness") == text
+    assert R.clean_query_text(text, "sentiment") == R.clean_query_text(text, "descriptiveness") == text  # running text
+    row = "usually , he would n't go . `` hello , '' she said ( twice ) . it 's fine !"  # a Hub bookcorpus row
+    assert R.clean_query_text(row, "sentiment") == "usually, he wouldn't go. \"hello, \" she said ( twice). it's fine!"
     assert R.clean_query_text("(CNN) -- By . X . text", "tldr") == "(CNN) -- By . X . text"  # cnndm only
 
 
