@@ -141,7 +141,7 @@ def main(args: Args) -> None:
                   "--peak-tflops", str(peak),
                   "--task.query-length", str(args.query_length), "--task.response-length", str(args.response_length),
                   "--task.truncate-after", str(min(16, args.response_length - 1)),
-                  "--task.passage-rows", "1", "--task.start-text", "", "--task.end-text", ""]  # fmt: skip  (no '.')
+                  "--task.passage-rows", "1", "--task.start-text", "", "--task.end-text", ""]  # fmt: skip
         steps = args.updates + 1
         labels = random_labels(root / "labels.json", steps * args.batch_size + args.eval_labels, args, vocab - 1)
         reward_flags = [*common, "--label-dataset", str(labels), "--output-dir", str(root / "reward"),
