@@ -24,6 +24,7 @@ def reward_flags(assets, output_dir, *extra, labels="labels"):
 
 
 def policy_flags(assets, reward_model, output_dir, *extra):
+    """--task.passage-rows 1: each line of the tiny corpus is a passage already."""
     return [
         "--base-model",
         str(assets["model"]),

@@ -105,13 +105,14 @@ def reward_reference(tiny_assets, tmp_path_factory):
 def test_reward_checkpoints_keep_the_newest_two_and_each_is_complete(reward_reference):
     assert checkpoints(reward_reference) == ["step-00000006", "step-00000008"]
     newest = reward_reference / "checkpoints" / "step-00000008"
+    # accelerate's save_state: model, optimizer, this process's RNG states; ours: the rest of the state, the log
     assert {path.name for path in newest.iterdir()} == {
         "pytorch_model.bin",
         "optimizer.bin",
         "random_states_0.pkl",
         "state.json",
         "metrics.jsonl",
-    }  # fmt: skip  (accelerate's save_state: model, optimizer, this process's RNG states; ours: the rest, the log)
+    }  # fmt: skip
     assert json.loads((newest / "state.json").read_text())["step"] == 8
     assert read_jsonl(newest / "metrics.jsonl")[-1]["step"] == 8
     assert not list((reward_reference / "checkpoints").glob(".*"))  # no temporaries left behind
