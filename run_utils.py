@@ -158,9 +158,9 @@ def hub_is_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def check_source(value: str, flag: str) -> None:
-    """Fail fast on a flag value that is neither a local path nor something the Hub can serve now; checked once at
-    start-up (the loaders later turn any remaining error into one line too)."""
+def check_source(value: str, flag: str, fetch: bool = True) -> None:
+    """Fail fast on a flag value that is neither a local path nor a Hub name (checked once at start-up; the loaders
+    later turn any other error into one line too), or, if it is to be fetched, on a Hub that cannot be reached."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     if os.path.exists(value):
@@ -169,7 +169,7 @@ def check_source(value: str, flag: str) -> None:
         validate_repo_id(value)
     except HFValidationError:
         fail(f"{flag} {value!r}: no such file or directory")
-    if not hub_offline() and not hub_is_reachable():
+    if fetch and not hub_offline() and not hub_is_reachable():
         fail(
             f"{flag} {value!r} is not a local path and the Hugging Face Hub is unreachable: pass a local path to {flag}"
         )
@@ -181,13 +181,12 @@ NOT_CHECKED: list[str] = []  # the inputs a --dry-run did not fetch from the Hub
 def available(value: str, flag: str, dry_run: bool, local: Optional[bool] = None) -> bool:
     """Whether an input can be read now: a local path always, a Hub name after a reachability check (fail fast) — but
     a --dry-run fetches nothing from the Hub: the input and what depends on it are listed as not checked."""
-    local = os.path.exists(value) if local is None else local
-    if not local and dry_run:
+    if os.path.exists(value) if local is None else local:
+        return True
+    check_source(value, flag, fetch=not dry_run)
+    if dry_run:
         NOT_CHECKED.append(f"{flag} {value} (on the Hub)")
-        return False
-    if not local:
-        check_source(value, flag)
-    return True
+    return not dry_run
 
 
 def print_dry_run(args, keys: tuple[str, ...]) -> None:
@@ -370,6 +369,7 @@ class QueryTexts:
         """The Hub dataset as a stream of texts. A repo that still ships a loading script (refused by `datasets` >= 4,
         e.g. bookcorpus/bookcorpus, webis/tldr-17) is read from the Hub's automatic Parquet conversion instead
         (revision refs/convert/parquet; there, a configuration is a directory)."""
+        require_package("datasets", "datasets", f"--task.query-dataset {self.name!r} (a Hub dataset or directory)")
         import datasets
 
         datasets.disable_progress_bars()
@@ -812,6 +812,15 @@ def trunk_parameters(model) -> int:
     the LM head, which is counted apart on the positions that use it."""
     skip = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
     return sum(p.numel() for p in model.parameters() if id(p) not in skip)
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """--gradient-checkpointing: every decoder layer recomputes its activations in the backward pass (transformers
+    does it in train mode; the scripts' dropout is 0, so train mode changes nothing else)."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24; its default is use_reentrant=False
+        model.activation_checkpointing_enable()
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def forward_flops(lm, tokens: int, lm_head_tokens: int) -> float:

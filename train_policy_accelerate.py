@@ -383,7 +383,7 @@ def clean_query_text(text: str, task_name: str) -> str:
     the Daily Mail date lines up to the last "PUBLISHED:/UPDATED: 15:36 EST, 25 October 2013" and the CNN dateline
     up to "(CNN) --" (in the first 100 characters, like OAI)."""
     if task_name not in ("tldr", "cnndm"):
-        text = text.replace("``", '"').replace("''", '"')
+        text = text.replace("`` ", '"').replace(" ''", '"').replace("( ", "(")
         return re.sub(r" (?=[.,!?;:)]|n't\b|'(?:s|re|ve|ll|d|m)\b)", "", text)
     if task_name == "cnndm":
         text = text.split("@highlight")[0]
@@ -569,30 +569,29 @@ def validate_args(args: Args) -> Args:
 def read_inputs(args: Args):
     """What the run reads, checked before any model loads: the base model's tokenizer (and that it is a causal LM),
     the reward model directory (and that it reads tokens as the policy writes them), the query texts (they must
-    yield a query), the services of --track / --upload-model. Returns (tokenizer, reward model info, query texts); a
-    --dry-run fetches nothing from the Hub, and gives None for what it could not check."""
+    yield a query), the services of --track / --upload-model. Returns (tokenizer, query texts); a --dry-run fetches
+    nothing from the Hub, and gives None for what it could not check."""
     task, dry_run = args.task, args.dry_run
     run_utils.check_services(args)
     model = run_utils.available(args.base_model, "--base-model", dry_run)
     query_texts = run_utils.available(task.query_dataset, "--task.query-dataset", dry_run)
     if not model:
-        return None, None, None
+        return None, None
     tokenizer = load_tokenizer(args.base_model, "--base-model")
-    run_utils.require_causal_lm(
-        config_without_dropout(args.base_model, "--base-model"), args.base_model, "--base-model"
-    )
+    config = config_without_dropout(args.base_model, "--base-model")
+    run_utils.require_causal_lm(config, args.base_model, "--base-model")
     truncate_token_id(tokenizer, task)
-    reward_info = check_reward_model(args.rewards.trained_model, tokenizer)
+    check_reward_model(args.rewards.trained_model, tokenizer)
     texts = None
     if query_texts:
         texts = run_utils.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
         QueryStream(texts, tokenizer, task, tokenizer.pad_token_id, args.seed).next_batch(1)  # yields a query
-    return tokenizer, reward_info, texts
+    return tokenizer, texts
 
 
-def check_reward_model(directory: str, tokenizer) -> dict:
-    """The reward_model/ directory of train_reward_accelerate.py, checked before any model loads: its metadata, and
-    that it reads tokens exactly as the policy writes them (the vocabulary's fingerprint)."""
+def check_reward_model(directory: str, tokenizer) -> None:
+    """The reward_model/ directory of train_reward_accelerate.py, checked before any model loads: its files, and that
+    it reads tokens exactly as the policy writes them (the vocabulary's fingerprint)."""
     flag, info_path = "--rewards.trained-model", Path(directory, "reward_model.json")
     if not info_path.is_file() or not Path(directory, "reward_head.safetensors").is_file():
         run_utils.fail(
@@ -604,11 +603,12 @@ def check_reward_model(directory: str, tokenizer) -> dict:
             f"{flag} {directory!r} was trained with another tokenizer/vocabulary ({info.get('base_model')}) "
             "than --base-model"
         )
-    return info
 
 
-def load_reward_model(directory: str, info: dict) -> RewardModel:
-    """The reward model of a reward_model/ directory: backbone, scalar head, gain and bias."""
+def load_reward_model(directory: str) -> RewardModel:
+    """The reward model of a reward_model/ directory: backbone, scalar head, gain and bias (also for scoring texts
+    outside training: see the README)."""
+    info = json.loads(Path(directory, "reward_model.json").read_text())
     with run_utils.quiet_load_report():  # its weights file also holds `score.weight`, which AutoModel does not use
         model = RewardModel(load_pretrained(AutoModel, directory, "--rewards.trained-model"), info["pad_id"])
     missing, unexpected = model.load_state_dict(load_file(Path(directory, "reward_head.safetensors")), strict=False)
@@ -889,7 +889,7 @@ def save_policy(policy: PolicyAndValueWrapper, directory: Path, base_model: str)
 
 def main(args: Args) -> None:
     args = validate_args(args)  # the task's defaults, derived sizes, flag checks
-    tokenizer, reward_info, texts = read_inputs(args)  # checked before any model loads
+    tokenizer, texts = read_inputs(args)  # checked before any model loads
     if args.dry_run:
         keys = ("world_size", "local_batch_size", "local_mini_batch_size", "micro_batch_size", "num_updates")
         return run_utils.print_dry_run(args, keys)
@@ -907,11 +907,11 @@ def main(args: Args) -> None:
     policy = PolicyAndValueWrapper(load_pretrained(AutoModelForCausalLM, args.base_model, "--base-model"))
     ref_lm = load_pretrained(AutoModelForCausalLM, args.base_model, "--base-model").to(device).eval()
     ref_lm.requires_grad_(False)
-    reward_model = load_reward_model(args.rewards.trained_model, reward_info).to(device).eval().requires_grad_(False)
+    reward_model = load_reward_model(args.rewards.trained_model).to(device).eval().requires_grad_(False)
     for lm in (policy.lm, ref_lm):
         use_plain_sampling(lm)
     if args.gradient_checkpointing:
-        policy.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        run_utils.enable_gradient_checkpointing(policy.lm)
     optimizer = make_optimizer(policy.parameters(), ppo.lr, ppo.eps, args.use_tensorflow_adam)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     unwrapped = accelerator.unwrap_model(policy)

@@ -346,7 +346,7 @@ def clean_query_text(text: str, task_name: str) -> str:
     the Daily Mail date lines up to the last "PUBLISHED:/UPDATED: 15:36 EST, 25 October 2013" and the CNN dateline
     up to "(CNN) --" (in the first 100 characters, like OAI)."""
     if task_name not in ("tldr", "cnndm"):
-        text = text.replace("``", '"').replace("''", '"')
+        text = text.replace("`` ", '"').replace(" ''", '"').replace("( ", "(")
         return re.sub(r" (?=[.,!?;:)]|n't\b|'(?:s|re|ve|ll|d|m)\b)", "", text)
     if task_name == "cnndm":
         text = text.split("@highlight")[0]
@@ -541,9 +541,8 @@ def read_inputs(args: Args):
     if not model:
         return None, None, None
     tokenizer = load_tokenizer(args.base_model, "--base-model")
-    run_utils.require_causal_lm(
-        config_without_dropout(args.base_model, "--base-model"), args.base_model, "--base-model"
-    )
+    config = config_without_dropout(args.base_model, "--base-model")
+    run_utils.require_causal_lm(config, args.base_model, "--base-model")
     truncate_token_id(tokenizer, task)
     labels = texts = None
     if label_file:
@@ -718,7 +717,7 @@ def main(args: Args) -> None:
     torch.manual_seed(args.seed)  # the head init agrees on every process
     reward_model = RewardModel(load_pretrained(AutoModel, args.base_model, "--base-model"), pad_id)
     if args.gradient_checkpointing:
-        reward_model.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        run_utils.enable_gradient_checkpointing(reward_model.backbone)
     ref_lm = load_pretrained(AutoModelForCausalLM, args.base_model, "--base-model").to(accelerator.device).eval()
     ref_lm.requires_grad_(False)
     use_plain_sampling(ref_lm)
@@ -751,7 +750,8 @@ def main(args: Args) -> None:
     # the label order: one permutation drawn on process 0 and broadcast, so all processes agree on it
     order = [torch.randperm(args.labels.num_train, generator=torch.Generator().manual_seed(args.seed))]
     order = broadcast_object_list(order)[0]
-    trunk_params = run_utils.trunk_parameters(accelerator.unwrap_model(reward_model).backbone)
+    unwrapped = accelerator.unwrap_model(reward_model)
+    trunk_params = run_utils.trunk_parameters(unwrapped.backbone)
 
     # 1. normalize before
     if state is None and args.normalize_before:
@@ -792,13 +792,13 @@ def main(args: Args) -> None:
                 row.update(evaluate(accelerator, reward_model, labels, test_ids, args))
                 run.print(f"step {update + 1}: test/loss {row['test/loss']:.4f} accuracy {row['test/accuracy']:.4f}")
             with accelerator.autocast():
-                samples = sample_and_score(
-                    ref_lm, accelerator.unwrap_model(reward_model), query_stream, SAMPLE_ROWS, args
-                )
-            rows = zip(decode(tokenizer, samples[0]), decode(tokenizer, samples[1]), samples[2].tolist(), strict=True)
-            run.table(
-                f"samples at step {update + 1}", ["query", "response", "reward"], [list(r) for r in rows], update + 1
-            )
+                query, response, reward = sample_and_score(ref_lm, unwrapped, query_stream, SAMPLE_ROWS, args)
+            columns = {
+                "query": decode(tokenizer, query),
+                "response": decode(tokenizer, response),
+                "reward": reward.tolist(),
+            }
+            run.samples("samples.jsonl", update + 1, columns)  # a table on the console, TensorBoard, wandb; the file
             row["time/evaluation"] = time.perf_counter() - evaluation_start
         run.log(row, update + 1)
         run.checkpoint_if_due(update + 1, {}, {"stream": query_stream.state()})  # and on SIGTERM / Ctrl-C
@@ -809,8 +809,7 @@ def main(args: Args) -> None:
         row.update(normalize_reward(accelerator, ref_lm, reward_model, query_stream, args, "after"))
     run.log({**row, "sync/param_spread": run_utils.parameter_spread(accelerator, reward_model)}, args.num_updates)
     # 5. save
-    model = accelerator.unwrap_model(reward_model)
-    run.save_result(lambda directory: save_reward_model(model, directory, tokenizer, args.base_model))
+    run.save_result(lambda directory: save_reward_model(unwrapped, directory, tokenizer, args.base_model))
     run.close()
 
 

@@ -78,7 +78,8 @@ def test_reward_model_learns_the_synthetic_preference(reward_run):
 
 def load_saved_reward_model(directory):
     tokenizer = P.load_tokenizer(str(directory), "--base-model")
-    return P.load_reward_model(str(directory), P.check_reward_model(str(directory), tokenizer)).eval()
+    P.check_reward_model(str(directory), tokenizer)
+    return P.load_reward_model(str(directory)).eval()
 
 
 def test_saved_reward_model_reloads_and_scores_identically(reward_run):
@@ -253,20 +254,22 @@ def test_speed_flags_change_the_first_update_only_by_float_rounding(tiny_assets,
             assert run[key] == pytest.approx(plain[key], abs=1e-4), key
 
 
-def test_gradient_accumulation_changes_no_metric(tiny_assets, reward_run, tmp_path):
-    """ppo/returns/* and ppo/val/* are OAI's per-rank-minibatch moments, computed on whole minibatch shares: 1 or 4
-    micro-batches give the same values (an average of micro-batch variances read 3-24% low), and so do the losses."""
+def test_memory_knobs_change_no_metric(tiny_assets, reward_run, tmp_path):
+    """Gradient accumulation: ppo/returns/* and ppo/val/* are OAI's per-rank-minibatch moments, computed on whole
+    minibatch shares, so 1 or 4 micro-batches give the same values (an average of micro-batch variances read 3-24%
+    low), and so do the losses. --gradient-checkpointing recomputes activations: the same numbers too."""
     first = {}
-    for steps in (1, 4):
-        flags = short_policy_flags(tiny_assets, reward_run, tmp_path / f"accumulation-{steps}", "--ppo.total-episodes",
-                                   "16", "--ppo.gradient-accumulation-steps", str(steps))  # fmt: skip
+    for name, extra in (("plain", []), ("accumulation", ["--ppo.gradient-accumulation-steps", "4"]),
+                        ("checkpointing", ["--gradient-checkpointing"])):  # fmt: skip
+        flags = short_policy_flags(tiny_assets, reward_run, tmp_path / name, "--ppo.total-episodes", "16", *extra)
         result = run_script(POLICY, *flags)
         assert result.returncode == 0, result.stderr[-3000:]
-        first[steps] = read_jsonl(tmp_path / f"accumulation-{steps}" / "metrics.jsonl")[0]
-    assert first[1]["ppo/returns/var"] > 0.01
+        first[name] = read_jsonl(tmp_path / name / "metrics.jsonl")[0]
+    assert first["plain"]["ppo/returns/var"] > 0.01
     for key in ("ppo/returns/mean", "ppo/returns/var", "ppo/val/mean", "ppo/val/var", "ppo/val/var_explained",
                 "ppo/loss/value", "ppo/loss/policy", "ppo/policy/approxkl"):  # fmt: skip
-        assert first[4][key] == pytest.approx(first[1][key], abs=1e-5, rel=1e-4), key
+        for name in ("accumulation", "checkpointing"):
+            assert first[name][key] == pytest.approx(first["plain"][key], abs=1e-5, rel=1e-4), (name, key)
 
 
 def test_gold_evaluation_logs_the_update_0_point_and_one_row_per_update(tiny_assets, reward_run, tmp_path):

@@ -112,6 +112,7 @@ def test_reward_checkpoints_keep_the_newest_two_and_each_is_complete(reward_refe
         "random_states_0.pkl",
         "state.json",
         "metrics.jsonl",
+        "samples.jsonl",
     }  # fmt: skip
     assert json.loads((newest / "state.json").read_text())["step"] == 8
     assert read_jsonl(newest / "metrics.jsonl")[-1]["step"] == 8
@@ -133,13 +134,14 @@ def test_reward_resume_after_sigkill_is_bit_identical(tiny_assets, reward_refere
     assert_same_run(output_dir, reward_reference, "reward_model/reward_head.safetensors")
 
 
-def test_reward_sigterm_writes_a_checkpoint_and_exits_143_then_resumes_identically(
-    tiny_assets, reward_reference, tmp_path
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["sigterm", "ctrl-c"])
+def test_reward_sigterm_or_ctrl_c_writes_a_checkpoint_and_stops_then_resumes_identically(
+    tiny_assets, reward_reference, tmp_path, sig, code
 ):
     output_dir = tmp_path / "run"
-    returncode, output = run_and_interrupt(REWARD, reward_flags(tiny_assets, output_dir), output_dir, signal.SIGTERM)
-    assert returncode == 143, output[-3000:]
-    assert "stopped by SIGTERM" in output
+    returncode, output = run_and_interrupt(REWARD, reward_flags(tiny_assets, output_dir), output_dir, sig)
+    assert returncode == code, output[-3000:]
+    assert f"stopped by {signal.Signals(sig).name}" in output and "Traceback" not in output
     stopped_at = json.loads((output_dir / "checkpoints" / checkpoints(output_dir)[-1] / "state.json").read_text())[
         "step"
     ]

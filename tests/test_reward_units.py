@@ -190,8 +190,8 @@ def test_saved_reward_model_loads_in_the_policy_script_and_scores_identically(gp
     (tmp_path / "rm").mkdir()
     R.save_reward_model(model, tmp_path / "rm", tokenizer, "tiny-gpt2")
     torch.manual_seed(123)  # a different head init: only loading the saved head can give equal scores
-    info = P.check_reward_model(str(tmp_path / "rm"), tokenizer)
-    loaded = P.load_reward_model(str(tmp_path / "rm"), info).eval()
+    P.check_reward_model(str(tmp_path / "rm"), tokenizer)
+    loaded = P.load_reward_model(str(tmp_path / "rm")).eval()
     assert loaded.pad_id == PAD
     assert loaded.reward_gain.item() == 2.5 and loaded.reward_bias.item() == -0.75
     query_responses = torch.tensor([[PAD, PAD, 15496, 995, 13, 11, PAD], [23073, 11, 339, 561, 13, 50256, 13]])

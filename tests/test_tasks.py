@@ -203,7 +203,7 @@ def test_tldr_texts_are_normalized_and_tokenized_book_rows_joined_back():
     assert R.clean_query_text(text, "tldr") == 'I (25F) said "hi".\n\nTL;DR he didn\'t'
     assert R.clean_query_text(text, "sentiment") == R.clean_query_text(text, "descriptiveness") == text  # running text
     row = "usually , he would n't go . `` hello , '' she said ( twice ) . it 's fine !"  # a Hub bookcorpus row
-    assert R.clean_query_text(row, "sentiment") == "usually, he wouldn't go. \"hello, \" she said ( twice). it's fine!"
+    assert R.clean_query_text(row, "sentiment") == "usually, he wouldn't go. \"hello,\" she said (twice). it's fine!"
     assert R.clean_query_text("(CNN) -- By . X . text", "tldr") == "(CNN) -- By . X . text"  # cnndm only
 
 
