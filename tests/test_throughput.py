@@ -22,6 +22,10 @@ def test_throughput_harness_reports_both_stages(gpt2_tokenizer_dir):
     assert set(policy["phases"]) == {"time/generation", "time/logprobs", "time/scoring", "time/ppo_epochs"}
     assert abs(sum(policy["phases"].values()) - policy["seconds_per_update"]) < 1e-6
     assert 0 < policy["mfu_ppo_epochs"] < 1 and policy["peak_memory_gb"] > 0
+    command[command.index("--eval-labels") + 1] = "4"  # fewer than a batch: the policy stage does not need them
+    result = subprocess.run([*command, "--stage", "policy"], capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1])["stage"] == "policy"
 
 
 def test_optimizations_benchmark_checks_each_pair_and_prints_the_table():

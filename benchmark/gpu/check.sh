@@ -1,44 +1,63 @@
 #!/usr/bin/env bash
-# One short GPU measurement of the real PPO loop (benchmark/throughput.py), sized to fit about 8 minutes on one
-# H100/H200: GPT-2 124M and GPT-2 774M (gpt2-large) at OpenAI's batch of 512 episodes, fp32 vs bf16 + TF32 vs bf16 +
-# TF32 + --compile + --logprobs-from-generation. Each configuration appends one JSON line to $RESULTS; a run that
+# One short GPU measurement of the real PPO loop (benchmark/throughput.py): GPT-2 124M and 774M (gpt2-large) at
+# OpenAI's batch of 512 episodes (64 + 24 tokens, 4 PPO epochs), in fp32, bf16 + TF32, and bf16 + TF32 + --compile +
+# --logprobs-from-generation. Each configuration appends one JSON line to $RESULTS (its wall time included); one that
 # fails or passes its time limit appends {"name": ..., "failed": ...} and the script goes on.
 #
-#   bash benchmark/gpu/check.sh                     # results in runs/gpu_check/results.jsonl
-#   MODELS="tiny" BATCH=16 ACCELERATE_USE_CPU=true bash benchmark/gpu/check.sh     # the same path on a CPU
+#   bash benchmark/gpu/check.sh                            # a node that can reach PyPI: requirements.txt installed
+#   BUNDLE=DIR bash benchmark/gpu/check.sh                 # an air-gapped node, DIR made by benchmark/gpu/prepare.sh
+#   MODELS=tiny BATCH=16 ACCELERATE_USE_CPU=true bash benchmark/gpu/check.sh     # the same path on a CPU
 #
-# On a machine without PyPI or the Hub, prepare first where they are reachable: the GPT-2 tokenizer
-# (`python -c "from pathlib import Path; import quickstart; quickstart.prepare_gpt2_tokenizer(Path('.cache'))"`,
-# then take .cache/gpt2-tokenizer along) and wheels of any requirements.txt package the machine lacks.
+# With BUNDLE the node's own torch / transformers / accelerate are used (nothing of them is replaced): the bundle's
+# wheels are installed with no index, and models are built from its GPT-2 tokenizer with random weights (no Hub).
 #
-# A full sentiment run is 1954 updates of 512 episodes (OpenAI: 4.8 h on 8 V100s), so its time on this GPU is about
-# 1954 × seconds_per_update of the fastest configuration (plus the reward model and held-out evaluations).
+# Time on one H100/H200 (an estimate, not measured yet): an update of GPT-2 124M at batch 512 is ~1.3e14 FLOPs (4
+# epochs x 3 forwards' worth + 3 rollout forwards of ~8.6e12: 85M trunk parameters x 45k tokens x 2, plus the LM
+# head on the response tokens): ~4-5 s in fp32 at half the H200's 67 TFLOP/s, a few s in bf16; gpt2-large is ~8x
+# that. With start-up (imports, a random model, a 1-step reward model: ~25-40 s) and 1 warm-up + UPDATES updates,
+# about 35 s + 30 s + 80 s (compile) for gpt2 and 105 s + 50 s + 120 s for gpt2-large: ~7 min. LIMIT caps each
+# configuration and BUDGET the whole script (8 min): a configuration past either is recorded as failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 MODELS=${MODELS:-"gpt2 gpt2-large"}
+CONFIGS=${CONFIGS:-"fp32 bf16+tf32 bf16+tf32+compile+generation-logprobs"}
 BATCH=${BATCH:-512}
-UPDATES=${UPDATES:-2}
-LIMIT=${LIMIT:-240}
+UPDATES=${UPDATES:-1}
+LIMIT=${LIMIT:-150}
+BUDGET=${BUDGET:-480}
 RESULTS=${RESULTS:-runs/gpu_check/results.jsonl}
 mkdir -p "$(dirname "$RESULTS")"
+tokenizer=()
+if [[ -n ${BUNDLE:-} ]]; then
+    python -m pip install --quiet --no-index --find-links "$BUNDLE/wheels" -r benchmark/gpu/node-requirements.txt ||
+        { echo "check.sh: cannot install the bundle's wheels from $BUNDLE/wheels" >&2; exit 1; }
+    tokenizer=(--tokenizer "$BUNDLE/gpt2-tokenizer")
+    export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+fi
+python -c "import torch, transformers, accelerate, tyro; print(f'torch {torch.__version__}, transformers \
+{transformers.__version__}, accelerate {accelerate.__version__}, tyro {tyro.__version__}, cuda available: \
+{torch.cuda.is_available()}')" >&2
 
-measure() {  # name, then throughput.py flags
-    local name=$1 line
-    shift
-    echo "== $name" >&2
-    if line=$(timeout "$LIMIT" python benchmark/throughput.py --stage policy --batch-size "$BATCH" \
-        --query-length 64 --response-length 24 --updates "$UPDATES" "$@" | tail -n 1) && [[ $line == "{"* ]]; then
-        echo "{\"name\": \"$name\", \"result\": $line}" | tee -a "$RESULTS"
-    else
-        echo "{\"name\": \"$name\", \"failed\": \"exit status or time limit ($LIMIT s)\"}" | tee -a "$RESULTS"
-    fi
-}
-
+declare -A FLAGS=(
+    [fp32]=""
+    [bf16+tf32]="--mixed-precision bf16 --allow-tf32"
+    [bf16+tf32+compile+generation-logprobs]="--mixed-precision bf16 --allow-tf32 --compile --logprobs-from-generation"
+)
 for model in $MODELS; do
     # gradient accumulation does not change the math (micro-batches of the same minibatch); it bounds the memory
     accumulate="--ppo.gradient-accumulation-steps $([[ $model == gpt2-large || $model == gpt2-xl ]] && echo 4 || echo 1)"
-    measure "$model fp32" --model "$model" --extra="$accumulate"
-    measure "$model bf16+tf32" --model "$model" --extra="$accumulate --mixed-precision bf16 --allow-tf32"
-    measure "$model bf16+tf32+compile+generation-logprobs" --model "$model" \
-        --extra="$accumulate --mixed-precision bf16 --allow-tf32 --compile --logprobs-from-generation"
+    for config in $CONFIGS; do
+        name="$model $config"
+        limit=$(( LIMIT < BUDGET - SECONDS ? LIMIT : BUDGET - SECONDS ))
+        echo "== $name (time limit $limit s)" >&2
+        start=$SECONDS
+        if (( limit > 0 )) && line=$(timeout "$limit" python benchmark/throughput.py --stage policy --model "$model" --batch-size "$BATCH" \
+            --query-length 64 --response-length 24 --updates "$UPDATES" "${tokenizer[@]}" \
+            --extra="$accumulate ${FLAGS[$config]}" | tail -n 1) && [[ $line == "{"* ]]; then
+            echo "{\"name\": \"$name\", \"seconds\": $((SECONDS - start)), \"result\": $line}" | tee -a "$RESULTS"
+        else
+            echo "{\"name\": \"$name\", \"seconds\": $((SECONDS - start)), \"failed\": \"exit status or time limit ($limit s)\"}" |
+                tee -a "$RESULTS"
+        fi
+    done
 done

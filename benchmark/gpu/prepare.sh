@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Run where PyPI is reachable (a cluster's login node): a bundle for a GPU node that has no network at all.
+#
+#   bash benchmark/gpu/prepare.sh OUT                          # wheels for the node's Python 3.12
+#   PYTHON_VERSION=3.11 bash benchmark/gpu/prepare.sh OUT      # another Python
+#
+# OUT/wheels: the wheels of benchmark/gpu/node-requirements.txt (what the scripts import that a preinstalled PyTorch
+# stack lacks; all pure Python, so one set serves any platform). OUT/gpt2-tokenizer: GPT-2's exact tokenizer, rebuilt
+# from a PyPI wheel (the check builds its models from it; no Hub). Prints the bundle's size and fails above 64 MiB.
+# Then, on the node: BUNDLE=OUT bash benchmark/gpu/check.sh
+set -euo pipefail
+OUT=${1:?usage: bash benchmark/gpu/prepare.sh OUT}
+PYTHON_VERSION=${PYTHON_VERSION:-3.12}
+LIMIT_MIB=64
+cd "$(dirname "$0")/../.."
+mkdir -p "$OUT/wheels"
+python -m pip download --quiet --no-deps --only-binary=:all: --platform any --python-version "$PYTHON_VERSION" \
+    --dest "$OUT/wheels" -r benchmark/gpu/node-requirements.txt
+python - "$OUT" <<'PYTHON'
+import shutil, sys
+from pathlib import Path
+
+import quickstart
+
+tokenizer = quickstart.prepare_gpt2_tokenizer(Path(".cache"))  # downloads a 0.9 MB wheel once, then cached
+shutil.copytree(tokenizer, Path(sys.argv[1]) / "gpt2-tokenizer", dirs_exist_ok=True)
+PYTHON
+size=$(du -sb "$OUT" | cut -f1)
+echo "bundle $OUT: $(ls "$OUT/wheels" | wc -l) wheels + gpt2-tokenizer, $((size / 1024)) KiB (limit $LIMIT_MIB MiB)"
+if (( size > LIMIT_MIB * 1024 * 1024 )); then
+    echo "prepare.sh: the bundle is over $LIMIT_MIB MiB" >&2
+    exit 1
+fi
