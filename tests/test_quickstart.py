@@ -142,10 +142,26 @@ def test_inconsistent_sizes_fail_before_any_work(flags, capsys):
     assert "must" in capsys.readouterr().err
 
 
+def test_smoke_sets_the_smallest_sizes_unless_a_flag_is_given():
+    parser = quickstart.build_parser()
+    args = parser.parse_args(["--smoke", "--updates", "5"])
+    quickstart.apply_smoke_sizes(parser, args)
+    assert (args.labels, args.test_labels, args.ppo_epochs, args.eval_queries) == (32, 16, 1, 8)
+    assert args.updates == 5 and args.ppo_lr == 5e-5  # given; not a size
+    defaults = parser.parse_args([])
+    assert (defaults.labels, defaults.updates, defaults.response_length, defaults.mixed_precision) == (
+        480,
+        24,
+        12,
+        "auto",
+    )
+
+
 def test_help_lists_the_size_flags():
     result = subprocess.run([sys.executable, str(REPO / "quickstart.py"), "--help"], capture_output=True, text=True)
     assert result.returncode == 0
-    for flag in ("--output-dir", "--labels", "--updates", "--ppo-lr", "--base-model", "--corpus", "--threads"):
+    for flag in ("--output-dir", "--labels", "--updates", "--ppo-lr", "--base-model", "--corpus", "--threads",
+                 "--smoke", "--mixed-precision", "--query-suffix"):  # fmt: skip
         assert flag in result.stdout
 
 
@@ -174,6 +190,7 @@ def test_quickstart_smoke_run_on_a_tiny_model(tiny_assets, tmp_path):
     command = [
         sys.executable, str(REPO / "quickstart.py"),
         "--output-dir", str(output_dir),
+        "--smoke",  # the sizes below are given, so they win over --smoke's
         "--base-model", str(tiny_assets["model"]),
         "--corpus", str(tiny_assets["corpus"]),
         "--threads", "1",

