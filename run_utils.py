@@ -69,7 +69,7 @@ class RunArgs:
     """TF32 matmuls on Ampere and newer GPUs (faster, ~1e-3 relative error per matmul); no effect on CPU"""
     gradient_checkpointing: bool = False
     """recompute the trained model's activations in the backward pass instead of keeping them (memory knob for large
-    models, ~30% more compute; same math to float rounding)"""
+    models: one more forward per backward; same math to float rounding)"""
     peak_tflops: Optional[float] = None
     """the device's peak TFLOP/s (per process); with it, MFU (model FLOPs per second / peak) is logged as time/mfu_*
     (benchmark/throughput.py measures a peak with a matmul benchmark)"""
@@ -115,6 +115,14 @@ def require_positive(**values) -> None:
     for name, value in values.items():
         if value is not None and not value > 0:
             fail(f"--{name.replace('__', '.').replace('_', '-')} must be positive, got {value}")
+
+
+def require_package(module: str, package: str, option: str) -> None:
+    """An optional dependency, checked when the option that needs it is given (not at import)."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        fail(f"{option} needs the {package} package: pip install {package}")
 
 
 def fill_defaults(config, defaults: dict) -> None:
@@ -858,11 +866,3 @@ def recorded_lm_head(lm, enabled: bool = True):
     finally:
         if handle is not None:
             handle.remove()
-
-
-def require_package(module: str, package: str, option: str) -> None:
-    """An optional dependency, checked when the option that needs it is given (not at import)."""
-    import importlib.util
-
-    if importlib.util.find_spec(module) is None:
-        fail(f"{option} needs the {package} package: pip install {package}")
