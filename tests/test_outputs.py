@@ -208,3 +208,25 @@ def test_gradient_checkpointing_gives_the_same_gradients(kind):
         gradients.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert gradients[0].abs().max() > 0
     torch.testing.assert_close(gradients[1], gradients[0], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "module, flags, message",
+    [
+        (R, ["--labels.source", "sentiment"], "--labels.source sentiment needs the vaderSentiment package"),
+        (R, ["--labels.source", "descriptiveness"], "--labels.source descriptiveness needs the textblob package"),
+        (P, ["--rewards.trained-model", "x", "--task.gold-labeler", "sentiment"], "--task.gold-labeler sentiment "
+         "needs the vaderSentiment package"),
+    ],
+)  # fmt: skip
+def test_an_option_whose_package_is_missing_says_which_package(module, flags, message, monkeypatch):
+    """Optional packages are imported only where their option is used (a GPU node may lack them)."""
+    import importlib.util
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in ("vaderSentiment", "textblob") else object()
+    )
+    with pytest.raises(SystemExit) as failure:
+        module.validate_args(tyro.cli(module.Args, args=flags))
+    assert str(failure.value) == f"error: {message}: pip install {message.split()[-2]}"
