@@ -110,11 +110,14 @@ def exact_div(total: int, parts: int, flags: str) -> int:
     return total // parts
 
 
-def require_positive(**values) -> None:
-    """Every named flag (given as flag_name=value) is > 0."""
-    for name, value in values.items():
+def require_positive(args, *names: str) -> None:
+    """Every named flag (a field path such as "ppo.lr") is > 0 (None: not set, fine)."""
+    for name in names:
+        value = args
+        for part in name.split("."):
+            value = getattr(value, part)
         if value is not None and not value > 0:
-            fail(f"--{name.replace('__', '.').replace('_', '-')} must be positive, got {value}")
+            fail(f"--{name.replace('_', '-')} must be positive, got {value}")
 
 
 def require_package(module: str, package: str, option: str) -> None:
@@ -141,7 +144,7 @@ def check_run_args(args) -> None:
     """Derived values and checks of the tooling flags (each script's validate_args calls it)."""
     NOT_CHECKED.clear()
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    require_positive(peak_tflops=args.peak_tflops, checkpoint_keep=args.checkpoint_keep)
+    require_positive(args, "peak_tflops", "checkpoint_keep")
     if args.checkpoint_every < 0:
         fail("--checkpoint-every must be >= 0")
     if args.resume and args.overwrite:

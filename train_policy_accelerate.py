@@ -554,12 +554,11 @@ def validate_args(args: Args) -> Args:
         run_utils.fail("--task.truncate-after must be >= 0 and < --task.response-length")
     if args.rewards.trained_model is None:
         run_utils.fail("--rewards.trained-model is required: the reward_model/ directory of train_reward_accelerate.py")
-    run_utils.require_positive(ppo__lr=ppo.lr, ppo__total_episodes=ppo.total_episodes, ppo__noptepochs=ppo.noptepochs,
-                               task__query_length=args.task.query_length, task__passage_rows=args.task.passage_rows,
-                               local_rollout_forward_batch_size=args.local_rollout_forward_batch_size,
-                               print_sample_output_freq=args.print_sample_output_freq, eval_every=args.eval_every)  # fmt: skip
+    positive = ("ppo.lr", "ppo.total_episodes", "ppo.noptepochs", "task.query_length", "task.passage_rows",
+                "local_rollout_forward_batch_size", "print_sample_output_freq", "eval_every")  # fmt: skip
+    run_utils.require_positive(args, *positive)
     if args.task.gold_labeler is not None:
-        run_utils.require_positive(eval_queries=args.eval_queries, eval_samples_per_query=args.eval_samples_per_query)
+        run_utils.require_positive(args, "eval_queries", "eval_samples_per_query")
         package = {"sentiment": "vaderSentiment", "descriptiveness": "textblob"}[args.task.gold_labeler]
         run_utils.require_package(package, package, f"--task.gold-labeler {args.task.gold_labeler}")
     args.num_updates = math.ceil(ppo.total_episodes / ppo.batch_size)

@@ -508,9 +508,9 @@ def validate_args(args: Args) -> Args:
     args.local_eval_batch_size = run_utils.exact_div(
         args.eval_batch_size, args.world_size, "--eval-batch-size / number of processes"
     )
-    run_utils.require_positive(lr=args.lr, labels__num_train=args.labels.num_train, task__query_length=args.task.query_length,
-                               normalize_samples=args.normalize_samples, print_sample_output_freq=args.print_sample_output_freq,
-                               local_rollout_forward_batch_size=args.local_rollout_forward_batch_size, task__passage_rows=args.task.passage_rows)  # fmt: skip
+    positive = ("lr", "labels.num_train", "task.query_length", "task.passage_rows", "normalize_samples",
+                "print_sample_output_freq", "local_rollout_forward_batch_size")  # fmt: skip
+    run_utils.require_positive(args, *positive)
     if args.labels.num_train % args.batch_size:  # OAI train_reward.py: exact_div
         run_utils.fail(
             f"--labels.num-train {args.labels.num_train} is not a multiple of --batch-size {args.batch_size}"
@@ -775,8 +775,8 @@ def main(args: Args) -> None:
                 optimizer.zero_grad()
             stats.append(torch.stack([loss.detach(), accuracy]))
         stats = torch.stack(stats)  # (micro-batches, 2)
-        row = {"step": update + 1, **run_utils.reduce_metrics(accelerator, {"train/loss": stats[:, 0].mean(),
-                                                                            "train/accuracy": stats[:, 1].mean()})}  # fmt: skip
+        means = {"train/loss": stats[:, 0].mean(), "train/accuracy": stats[:, 1].mean()}
+        row = {"step": update + 1, **run_utils.reduce_metrics(accelerator, means)}  # over all processes
         where = run_utils.first_non_finite(stats, {"micro-batch": len(stats)}, accelerator.process_index)
         run.stop_if_not_finite(row, update + 1, where)
         row.update({"train/lr": lr, "elapsed/time": run.elapsed(), "time/train_step": time.perf_counter() - step_start})
