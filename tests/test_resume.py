@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 REWARD = "train_reward_accelerate.py"
 POLICY = "train_policy_accelerate.py"
 KILL_SEED = int(os.environ.get("RESUME_TEST_SEED", "0"))  # the random kill points are reproducible
-KILL_POINTS = int(os.environ.get("RESUME_KILL_POINTS", "1"))  # more for a fault-injection sweep (see the README)
+KILL_POINTS = int(os.environ.get("RESUME_KILL_POINTS", "1"))  # more for a sweep: docs/checkpoints.md
 
 
 def reward_flags(assets, output_dir, *extra):
