@@ -592,6 +592,8 @@ def check_reward_model(directory: str, tokenizer) -> None:
     """The reward_model/ directory of train_reward_accelerate.py, checked before any model loads: its files, and that
     it reads tokens exactly as the policy writes them (the vocabulary's fingerprint)."""
     flag, info_path = "--rewards.trained-model", Path(directory, "reward_model.json")
+    if not Path(directory).is_dir():
+        run_utils.fail(f"{flag} {directory!r}: no such directory")
     if not info_path.is_file() or not Path(directory, "reward_head.safetensors").is_file():
         run_utils.fail(
             f"{flag} {directory!r}: not a reward model directory (no reward_model.json, reward_head.safetensors)"

@@ -173,6 +173,7 @@ def test_a_dry_run_checks_every_local_input(tiny_assets, tmp_path, capsys):
         (R, [*common, "--label-dataset", str(bad_labels)], "record 0: 'query' must be a list of 64 token ids"),
         (R, [*common, "--label-dataset", str(tiny_assets["small_labels"])], "fewer than --labels.num-train 4992"),
         (P, [*common, "--rewards.trained-model", str(tmp_path)], "not a reward model directory"),
+        (P, [*common, "--rewards.trained-model", str(tmp_path / "missing")], "missing': no such directory"),
     ]
     for module, flags, words in cases:
         with pytest.raises(SystemExit) as failure:
