@@ -337,6 +337,11 @@ def read_label_records(path: str, lengths: dict[str, int], vocab_size: int, pad_
 
 # ---------------------------------------------------------------------------------------------------------------------
 # query texts: a local file or a Hub dataset
+def join_rows(rows: list[str]) -> str:
+    """Consecutive rows (sentences) as one text, empty rows left out."""
+    return " ".join(row for row in rows if row)
+
+
 class QueryTexts:
     """The query texts of --task.query-dataset, `rows_per_text` consecutive rows joined into one text (Hub
     `bookcorpus` has one sentence per row, in book order; OAI's queries were multi-sentence passages).
@@ -350,13 +355,14 @@ class QueryTexts:
 
     def __init__(self, name: str, config: Optional[str], field: str, rows_per_text: int = 1):
         self.name, self.config, self.field, self.rows_per_text = name, config, field, rows_per_text
-        self.rows = self.read_file() if os.path.isfile(name) else None
-        self.stream = self.open_stream() if self.rows is None else None
-        if self.rows is not None:
+        self.texts = self.stream = None
+        if os.path.isfile(name):
+            rows = self.read_file()
             self.texts = [
-                " ".join(row for row in self.rows[i : i + rows_per_text] if row)
-                for i in range(0, len(self.rows) - rows_per_text + 1, rows_per_text)
+                join_rows(rows[i : i + rows_per_text]) for i in range(0, len(rows) - rows_per_text + 1, rows_per_text)
             ]
+        else:
+            self.stream = self.open_stream()
 
     def read_file(self) -> list[str]:
         path, flag = self.name, "--task.query-dataset"
@@ -403,13 +409,13 @@ class QueryTexts:
         stream = stream.select_columns([self.field])
         if self.rows_per_text > 1:  # consecutive rows, before any shuffling
             stream = stream.batch(self.rows_per_text, drop_last_batch=True)
-            return stream.map(lambda batch: {self.field: " ".join(row for row in batch[self.field] if row)})
+            return stream.map(lambda batch: {self.field: join_rows(batch[self.field])})
         return stream
 
     def epoch(self, epoch: int, seed: int, rank: int, world_size: int, start: int = 0):
         """This process's texts of one epoch in a seeded order that all processes share (process r takes every
         world_size-th), from the `start`-th on."""
-        if self.rows is not None:
+        if self.texts is not None:
             order = np.random.default_rng([seed, epoch]).permutation(len(self.texts))[rank::world_size]
             return (self.texts[i] for i in order[start:])
         from datasets.distributed import split_dataset_by_node
@@ -583,9 +589,10 @@ class Run:
                 from huggingface_hub import HfApi
 
                 repo = self.args.hf_repo_id or self.args.run_name
+                api = HfApi()
                 with flag_errors("--upload-model", repo, "upload failed"):
-                    url = HfApi().create_repo(repo, exist_ok=True).repo_id
-                    HfApi().upload_folder(repo_id=url, folder_path=path)
+                    url = api.create_repo(repo, exist_ok=True).repo_id
+                    api.upload_folder(repo_id=url, folder_path=path)
                 self.print(f"uploaded {path} to the Hub as {url}")
         self.accelerator.wait_for_everyone()
         return path

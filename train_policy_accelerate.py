@@ -431,7 +431,7 @@ class QueryStream:
     def __init__(self, texts, tokenizer, task, pad_id, seed, rank=0, world_size=1, exclude=frozenset(), chunk=256):
         self.texts, self.tokenizer, self.task, self.pad_id, self.exclude = texts, tokenizer, task, pad_id, exclude
         self.seed, self.rank, self.world_size, self.chunk = seed, rank, world_size, chunk
-        self.epoch, self.used, self.produced, self.buffer, self.read = 0, 0, 0, [], set()
+        self.epoch, self.used, self.produced, self.buffer = 0, 0, 0, []
         self.source = texts.epoch(self.epoch, seed, rank, world_size)
 
     def next_batch(self, n: int) -> torch.Tensor:
@@ -444,7 +444,6 @@ class QueryStream:
                 self.source = self.texts.epoch(self.epoch, self.seed, self.rank, self.world_size)
                 continue
             self.used += len(texts)
-            self.read.update(texts)
             texts = [text for text in texts if text not in self.exclude]
             cleaned = [clean_query_text(text, self.task.name) for text in texts]
             for tokens in self.tokenizer(cleaned, add_special_tokens=False)["input_ids"] if texts else []:
@@ -459,12 +458,7 @@ class QueryStream:
         return dict(epoch=self.epoch, used=self.used, produced=self.produced, buffer=self.buffer)
 
     def load_state(self, state: dict) -> None:
-        self.epoch, self.used, self.produced, self.buffer = (
-            state["epoch"],
-            state["used"],
-            state["produced"],
-            state["buffer"],
-        )
+        self.epoch, self.used, self.produced, self.buffer = (state[k] for k in ("epoch", "used", "produced", "buffer"))
         self.source = self.texts.epoch(self.epoch, self.seed, self.rank, self.world_size, start=self.used)
 
     def format(self, queries: torch.Tensor) -> torch.Tensor:
@@ -834,7 +828,9 @@ def held_out_queries(texts, tokenizer, task: TaskHParams, n: int):
     for them is kept out of training (the third value)."""
     stream = QueryStream(texts, tokenizer, task, tokenizer.pad_token_id, seed=EVAL_SEED, chunk=n)
     queries = stream.next_batch(n)
-    return queries, stream.format(queries), frozenset(stream.read)
+    order = texts.epoch(0, EVAL_SEED, 0, 1)  # the texts the stream took: the first `used`, or all past one epoch
+    read = order if stream.epoch else itertools.islice(order, stream.used)
+    return queries, stream.format(queries), frozenset(read)
 
 
 @torch.no_grad()

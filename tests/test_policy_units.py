@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.nn as nn
 from conftest import REPO
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+import run_utils
 import train_policy_accelerate as P
 
 PAD = 50257  # GPT-2's [PAD]: one past the 50257-token vocabulary
@@ -562,3 +563,22 @@ def test_elapsed_fps_is_the_current_updates_like_openai_and_the_average_is_kept_
     stats = P.timing_stats(run, None, torch.zeros(64, 88), torch.zeros(64, 24), timer, 5, 10.0, args)
     assert stats["elapsed/fps"] == 64 * 24 / 2.0  # this update took 2 s (OAI train_policy.py: per update)
     assert stats["elapsed/fps_average"] == 5 * 64 * 24 / 100.0  # since the start
+
+
+def test_held_out_queries_keep_every_text_read_for_them_out_of_training(gpt2_tokenizer_dir, tmp_path):
+    """The gold evaluation's queries come from the first texts of a fixed order; every text read for them, also one
+    that yielded no query, is kept out of the training stream, which then never meets a held-out text."""
+    tokenizer = AutoTokenizer.from_pretrained(str(gpt2_tokenizer_dir))
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    lines = [f"Sentence {i} has no period" if i % 3 == 0 else f"Sentence {i} ends here." for i in range(60)]
+    (tmp_path / "queries.txt").write_text("\n".join(lines) + "\n")
+    texts = run_utils.QueryTexts(str(tmp_path / "queries.txt"), None, "text")
+    task = P.TaskHParams(query_length=8, end_text=".", query_prefix="", query_suffix="")
+    queries, contexts, held_out = P.held_out_queries(texts, tokenizer, task, 8)
+    assert contexts.shape == queries.shape == (8, 8)
+    assert set(P.decode(tokenizer, queries)) < held_out <= set(lines)  # the queries' texts, and more texts read
+    assert any("no period" in text for text in held_out) and len(held_out) % 8 == 0  # whole chunks of 8 texts
+    training = P.QueryStream(texts, tokenizer, task, tokenizer.pad_token_id, seed=1, exclude=held_out)
+    usable = {line for line in lines if line.endswith(".")} - held_out
+    seen = set(P.decode(tokenizer, training.next_batch(3 * len(usable))))  # three epochs of the training stream
+    assert seen == usable
