@@ -64,7 +64,8 @@ class RunArgs:
     """check every flag and every input the run will read, print the derived sizes and exit before loading a model"""
     mixed_precision: Literal["no", "bf16"] = "no"
     """bf16: forwards under bf16 autocast with fp32 master weights and optimizer state; log-softmax, losses, rewards
-    and advantages stay fp32 (a GPU speed option: on CPUs without bf16 units it is slower)"""
+    and advantages stay fp32 (a GPU speed option: on CPUs without bf16 units it is slower; refused under DeepSpeed,
+    whose engine would hold the weights themselves in bf16)"""
     allow_tf32: bool = False
     """TF32 matmuls on Ampere and newer GPUs (faster, ~1e-3 relative error per matmul); no effect on CPU"""
     gradient_checkpointing: bool = False
@@ -78,6 +79,7 @@ class RunArgs:
     hf_repo_id: Optional[str] = None
     """Hub repo for --upload-model (default: the run name)"""
     world_size: tyro.conf.Suppress[Optional[int]] = None
+    micro_batch_size: tyro.conf.Suppress[Optional[int]] = None
     run_name: tyro.conf.Suppress[Optional[str]] = None
 
 
@@ -506,6 +508,43 @@ RESUME_MAY_CHANGE = {
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# the launch: processes and engine
+DEEPSPEED_BROKEN = {"0.19.8": "cannot start a model with 0-dim parameters (the reward model's gain and bias)"}
+
+
+def check_launch(accelerator, args) -> None:
+    """The processes form the run they were launched as, and a DeepSpeed engine keeps OpenAI's math: fp32 weights, no
+    gradient clipping (an absent or "auto" value is DeepSpeed's 1.0). DeepSpeed is also given the micro-batch size,
+    which accelerate otherwise reads from a prepared dataloader (the scripts prepare none)."""
+    fix = ("add --multi_gpu to `accelerate launch` (implied only with several GPUs per machine) or a --config_file "
+           "that sets distributed_type; without GPUs, ACCELERATE_USE_CPU=true")  # fmt: skip
+    if accelerator.num_processes != args.world_size:
+        fail(f"launched as {args.world_size} processes (WORLD_SIZE) but each runs in a group of "
+             f"{accelerator.num_processes}: {fix}")  # fmt: skip
+    # accelerate's one-process launcher sets a rendezvous address only for --num_machines / --num_processes > 1
+    if "ACCELERATE_DYNAMO_BACKEND" in os.environ and "WORLD_SIZE" not in os.environ and "MASTER_ADDR" in os.environ:
+        fail(f"`accelerate launch` was given several machines or processes (MASTER_ADDR is set) but started this "
+             f"process alone: {fix} (one process: unset MASTER_ADDR)")  # fmt: skip
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    import deepspeed
+
+    if deepspeed.__version__ in DEEPSPEED_BROKEN:
+        fail(f"deepspeed {deepspeed.__version__} {DEEPSPEED_BROKEN[deepspeed.__version__]}: "
+             "pip install -r requirements-deepspeed.txt (the tested version)")  # fmt: skip
+    config = plugin.deepspeed_config
+    if accelerator.mixed_precision != "no" or any(config.get(k, {}).get("enabled") is True for k in ("bf16", "fp16")):
+        fail("--mixed-precision bf16 under DeepSpeed would train the weights themselves in bf16 (no autocast, no fp32 "
+             "master weights): use DeepSpeed in fp32 (mixed_precision: 'no'), or bf16 autocast without DeepSpeed")  # fmt: skip
+    clipping = config.get("gradient_clipping", "auto")
+    if clipping not in ("auto", 0):
+        fail(f"the DeepSpeed config clips gradients at {clipping}; OpenAI clips none: set gradient_clipping to 0")
+    config["gradient_clipping"] = 0.0
+    config["train_micro_batch_size_per_gpu"] = args.micro_batch_size
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # one run: its directory, logs, checkpoints and stop signals
 class Run:
     """Everything of a run that is not the algorithm, on every process (only process 0 writes files and prints):
@@ -513,6 +552,7 @@ class Run:
     wandb (`log`, `table`), console and progress (`print`, `progress`), the trained model (`save_result`)."""
 
     def __init__(self, args, accelerator, result: str, may_change: set[str], step_name: str = "step"):
+        check_launch(accelerator, args)  # before anything is written
         self.args, self.accelerator, self.result, self.step_name = args, accelerator, result, step_name
         self.main, self.console = accelerator.is_main_process, console
         self.output_dir = prepare_output_dir(args.output_dir, result, args.overwrite, args.resume)

@@ -180,7 +180,6 @@ class Args(run_utils.RunArgs):
     ppo: PpoHParams = field(default_factory=PpoHParams)
     local_batch_size: tyro.conf.Suppress[Optional[int]] = None
     local_mini_batch_size: tyro.conf.Suppress[Optional[int]] = None
-    micro_batch_size: tyro.conf.Suppress[Optional[int]] = None
     local_whitening_ranks: tyro.conf.Suppress[Optional[int]] = None
     num_updates: tyro.conf.Suppress[Optional[int]] = None
 

@@ -145,7 +145,6 @@ class Args(run_utils.RunArgs):
     labels: LabelHParams = field(default_factory=LabelHParams)
     task: TaskHParams = field(default_factory=TaskHParams)
     local_batch_size: tyro.conf.Suppress[Optional[int]] = None
-    micro_batch_size: tyro.conf.Suppress[Optional[int]] = None
     local_rollout_batch_size: tyro.conf.Suppress[Optional[int]] = None
     local_eval_batch_size: tyro.conf.Suppress[Optional[int]] = None
     num_updates: tyro.conf.Suppress[Optional[int]] = None
@@ -720,8 +719,8 @@ def main(args: Args) -> None:
     query_stream = QueryStream(
         texts, tokenizer, task, pad_id, args.seed, accelerator.process_index, accelerator.num_processes
     )
+    reward_model.to(accelerator.device)
     if args.labels.source != "file":  # simulated labels, made once: a resumed run reads what its first attempt made
-        reward_model.to(accelerator.device)
         label_path = run.output_dir / "labels.json"
         if run.checkpoint is None:
             with accelerator.autocast():
@@ -730,6 +729,9 @@ def main(args: Args) -> None:
                 run_utils.write_text_atomic(label_path, json.dumps(records))
         accelerator.wait_for_everyone()
         labels = load_labels(str(label_path), tokenizer, args)
+    # 1. normalize before (before the optimizer holds the weights: DeepSpeed's fp32 copy then starts from gain and bias)
+    if run.checkpoint is None and args.normalize_before:
+        run.log({"step": 0, **normalize_reward(accelerator, ref_lm, reward_model, query_stream, args, "before")}, 0)
     optimizer = make_optimizer(reward_model.parameters(), args.lr, args.eps, args.use_tensorflow_adam)
     reward_model, optimizer = accelerator.prepare(reward_model, optimizer)
     state = run.resume()  # on --resume: the newest checkpoint's model, optimizer and RNG states; None when fresh
@@ -747,9 +749,6 @@ def main(args: Args) -> None:
     unwrapped = accelerator.unwrap_model(reward_model)
     trunk_params = run_utils.trunk_parameters(unwrapped.backbone)
 
-    # 1. normalize before
-    if state is None and args.normalize_before:
-        run.log({"step": 0, **normalize_reward(accelerator, ref_lm, reward_model, query_stream, args, "before")}, 0)
     # 2. train: one epoch over the label records, in the shared order
     reward_model.train()
     for update in run.progress(range(run.start_step, args.num_updates), "training reward model"):

@@ -69,6 +69,9 @@ class Args:
     extra: str = ""
     """more flags for the training script(s), one string (note the '='): --extra="--mixed-precision bf16"; with
     --stage policy they go to the policy script only"""
+    launcher: str = ""
+    """a launcher for the training scripts, one string (default: python): --launcher="accelerate launch
+    --config_file benchmark/deepspeed_zero2.yaml --num_processes 1" """
 
 
 def measure_peak_tflops(device: torch.device) -> float:
@@ -129,9 +132,10 @@ def random_labels(path: Path, n: int, args: Args, vocab_size: int) -> Path:
     return path
 
 
-def run(script: str, flags: list[str]) -> None:
+def run(script: str, flags: list[str], launcher: str = "") -> None:
     env = {**os.environ, "ACCELERATE_USE_CPU": os.environ.get("ACCELERATE_USE_CPU", "false"), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, str(REPO / script), *flags], capture_output=True, text=True, env=env)
+    command = [*(shlex.split(launcher) or [sys.executable]), str(REPO / script), *flags]
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         raise SystemExit(f"{script} failed:\n{result.stderr[-3000:]}")
 
@@ -167,6 +171,7 @@ def main(args: Args) -> None:
         run(
             "train_reward_accelerate.py",
             [*reward_flags, *shlex.split(args.extra)] if args.stage != "policy" else reward_flags,
+            args.launcher,
         )
         if args.stage in ("reward", "both"):
             rows = [row for row in map(json.loads, (root / "reward" / "metrics.jsonl").open()) if "train/loss" in row]
@@ -184,7 +189,7 @@ def main(args: Args) -> None:
                             "--ppo.whitening-ranks", "1",  # how the whitening is grouped costs no time
                             "--ppo.total-episodes", str(steps * args.batch_size), "--ppo.noptepochs",
                             str(args.noptepochs), "--print-sample-output-freq", str(10**9), *shlex.split(args.extra)]  # fmt: skip
-            run("train_policy_accelerate.py", policy_flags)
+            run("train_policy_accelerate.py", policy_flags, args.launcher)
             rows = [
                 row for row in map(json.loads, (root / "policy" / "metrics.jsonl").open()) if "time/generation" in row
             ]

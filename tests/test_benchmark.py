@@ -8,10 +8,13 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
+from conftest import tracked_files
 
+import run_utils
 from benchmark import benchmark as launcher
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -246,9 +249,14 @@ def test_deepspeed_zero2_config_keeps_openai_math():
         offload_param_device=ds["offload_param_device"],
         zero3_init_flag=ds["zero3_init_flag"],
     )
+    # accelerate drops the 0 (DeepSpeed then clips at its default 1.0): the scripts' launch check sets it
     assert "gradient_clipping" not in plugin.deepspeed_config
     assert plugin.deepspeed_config["gradient_accumulation_steps"] == "auto"
     assert plugin.deepspeed_config["zero_optimization"]["stage"] == 2
+    accelerator = SimpleNamespace(num_processes=8, mixed_precision="no", state=SimpleNamespace(deepspeed_plugin=plugin))
+    run_utils.check_launch(accelerator, SimpleNamespace(world_size=8, micro_batch_size=4))
+    assert plugin.deepspeed_config["gradient_clipping"] == 0.0
+    assert plugin.deepspeed_config["train_micro_batch_size_per_gpu"] == 4
 
 
 def test_aws_parallelcluster_config():
@@ -287,10 +295,8 @@ def test_aws_parallelcluster_config():
 
 
 def test_no_machine_specific_paths_in_benchmark_files():
-    for path in BENCHMARK.rglob("*"):
-        if "results" in path.relative_to(BENCHMARK).parts:  # compare.py's output, written on some machine
-            continue
-        if path.is_file() and path.suffix in (".py", ".sh", ".slurm", ".yaml", ".md", ".csv"):
+    for path in tracked_files():
+        if BENCHMARK in path.parents and path.suffix in (".py", ".sh", ".slurm", ".yaml", ".md", ".csv"):
             text = path.read_text()
             assert str(REPO_ROOT.parent) + "/" not in text and tempfile.gettempdir() + "/" not in text, path
             assert os.environ.get("HOME", "/root") + "/" not in text, path

@@ -56,6 +56,9 @@ def bundle(tmp_path_factory, gpt2_tokenizer_dir):
 def test_prepare_makes_a_small_bundle_of_wheels_and_the_tokenizer(bundle):
     wheels = sorted(path.name.split("-")[0].lower() for path in (bundle / "wheels").iterdir())
     assert wheels == ["docstring_parser", "typeguard", "typing_extensions", "tyro"]
+    deepspeed = {path.name.split("-")[0].lower() for path in (bundle / "deepspeed").iterdir()}
+    pinned = (REPO / "benchmark/gpu/node-deepspeed-requirements.txt").read_text().splitlines()
+    assert deepspeed == {"deepspeed"} | {line.split("==")[0].replace("-", "_") for line in pinned if "==" in line}
     assert (bundle / "gpt2-tokenizer" / "tokenizer.json").is_file()
     assert sum(path.stat().st_size for path in bundle.rglob("*") if path.is_file()) < 64 * 2**20
 
@@ -80,3 +83,11 @@ def test_check_runs_offline_from_the_bundle_in_a_bare_environment(bundle, tmp_pa
     assert line["name"] == "tiny fp32" and "failed" not in line, (line, check.stderr[-3000:])
     assert line["result"]["stage"] == "policy" and line["result"]["seconds_per_update"] > 0
     assert "transformers 5.17.0" in check.stderr and "tyro 1.0.17" in check.stderr
+    # the zero2 configuration's DeepSpeed installs from the bundle with no index and no network
+    install = subprocess.run(["unshare", "--net", str(python), "-m", "pip", "install", "--quiet", "--no-index",
+                              "--find-links", str(bundle / "deepspeed"), "-r", str(REPO / "requirements-deepspeed.txt")],
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert install.returncode == 0, install.stderr[-3000:]
+    version = subprocess.run([str(python), "-c", "import deepspeed; print(deepspeed.__version__)"], capture_output=True,
+                             text=True, env={**env, "DS_ACCELERATOR": "cpu"}, timeout=120)  # fmt: skip
+    assert version.stdout.strip().splitlines()[-1] == "0.19.7", version.stderr[-3000:]

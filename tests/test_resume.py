@@ -6,6 +6,7 @@ run must equal an uninterrupted run with the same seed bit for bit: the same fin
 metrics.jsonl (one row per step; only the wall-clock `elapsed/*` and `time/*` columns may differ).
 """
 
+import contextlib
 import json
 import os
 import random
@@ -15,6 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from conftest import REPO, read_jsonl, run_script, script_command, script_environment
@@ -60,10 +62,11 @@ def choose_kill_point(name: str, rows: tuple[int, int]) -> tuple[int, float]:
     return rng.randint(*rows), rng.uniform(0, 0.3)
 
 
-def run_and_interrupt(script, flags, output_dir: Path, sig: int, after_rows: int = 0, delay: float = 0, nproc: int = 1):
+def run_and_interrupt(command: list[str], output_dir: Path, sig: int, after_rows: int = 0, delay: float = 0, env=None):
     """Start a run, wait for its first checkpoint and for `after_rows` metrics rows, wait `delay` seconds more, then
-    send `sig` to its whole process group (as Slurm or a node failure would); returns the exit status and output."""
-    process = subprocess.Popen(script_command(script, flags, nproc), env=script_environment(nproc), cwd=REPO, start_new_session=True,
+    send `sig` to its whole process group and every process under it (as Slurm or a node failure would); returns the
+    exit status and output."""
+    process = subprocess.Popen(command, env=env or script_environment(), cwd=REPO, start_new_session=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     deadline = time.time() + 300
     while process.poll() is None and time.time() < deadline:
@@ -73,9 +76,14 @@ def run_and_interrupt(script, flags, output_dir: Path, sig: int, after_rows: int
     time.sleep(delay)
     if process.poll() is None:
         logged = metrics_rows(output_dir)
+        # the launcher's workers run in sessions of their own (torchrun, accelerate launch): signal each of them too
+        workers = psutil.Process(process.pid).children(recursive=True)
         os.killpg(process.pid, sig)
+        for worker in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.pid, sig)
         print(
-            f"{script}: {signal.Signals(sig).name} after {delay:.2f} s, {logged} metrics rows, {checkpoints(output_dir)}"
+            f"{output_dir}: {signal.Signals(sig).name} after {delay:.2f} s, {logged} metrics rows, {checkpoints(output_dir)}"
         )
     output, _ = process.communicate(timeout=120)
     return process.returncode, output
@@ -124,7 +132,7 @@ def test_reward_resume_after_sigkill_is_bit_identical(tiny_assets, reward_refere
     output_dir = tmp_path / "run"
     rows, delay = choose_kill_point(f"reward-{kill_point}", (3, 7))  # of 10: normalization before, steps 1-8, after
     flags = reward_flags(tiny_assets, output_dir)
-    returncode, output = run_and_interrupt(REWARD, flags, output_dir, signal.SIGKILL, rows, delay)
+    returncode, output = run_and_interrupt(script_command(REWARD, flags), output_dir, signal.SIGKILL, rows, delay)
     assert returncode == -signal.SIGKILL, output[-3000:]  # really killed, not finished
     assert not (output_dir / "reward_model").exists()
     result = run_script(REWARD, *reward_flags(tiny_assets, output_dir, "--resume"))
@@ -139,7 +147,9 @@ def test_reward_sigterm_or_ctrl_c_writes_a_checkpoint_and_stops_then_resumes_ide
     tiny_assets, reward_reference, tmp_path, sig, code
 ):
     output_dir = tmp_path / "run"
-    returncode, output = run_and_interrupt(REWARD, reward_flags(tiny_assets, output_dir), output_dir, sig)
+    returncode, output = run_and_interrupt(
+        script_command(REWARD, reward_flags(tiny_assets, output_dir)), output_dir, sig
+    )
     assert returncode == code, output[-3000:]
     assert f"stopped by {signal.Signals(sig).name}" in output and "Traceback" not in output
     stopped_at = json.loads((output_dir / "checkpoints" / checkpoints(output_dir)[-1] / "state.json").read_text())[
@@ -197,10 +207,11 @@ def test_policy_resume_after_sigkill_is_bit_identical(
     output_dir = tmp_path / "run"
     flags = policy_flags(tiny_assets, reward_reference / "reward_model", output_dir)
     rows, delay = choose_kill_point(f"policy-{kill_point}", (2, 7))  # of 8 rows: updates 1-8
-    returncode, output = run_and_interrupt(POLICY, flags, output_dir, signal.SIGKILL, rows, delay)
+    returncode, output = run_and_interrupt(script_command(POLICY, flags), output_dir, signal.SIGKILL, rows, delay)
     assert returncode == -signal.SIGKILL, output[-3000:]
     result = run_script(POLICY, *flags, "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout
     assert_same_run(output_dir, policy_reference, "policy/model.safetensors")
     assert_same_run(output_dir, policy_reference, "policy/value_head.safetensors")
     updates = [row["update"] for row in read_jsonl(output_dir / "metrics.jsonl") if "objective/scores" in row]
@@ -212,7 +223,7 @@ def test_policy_resume_after_sigkill_is_bit_identical(
 def test_policy_sigterm_checkpoints_and_resumes_identically(tiny_assets, reward_reference, policy_reference, tmp_path):
     output_dir = tmp_path / "run"
     flags = policy_flags(tiny_assets, reward_reference / "reward_model", output_dir)
-    returncode, output = run_and_interrupt(POLICY, flags, output_dir, signal.SIGTERM)
+    returncode, output = run_and_interrupt(script_command(POLICY, flags), output_dir, signal.SIGTERM)
     assert returncode == 143 and "stopped by SIGTERM" in output, output[-3000:]
     result = run_script(POLICY, *flags, "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -234,7 +245,9 @@ def test_policy_two_processes_resume_after_sigkill_is_bit_identical(
     output_dir = tmp_path / "run"
     flags = policy_flags(tiny_assets, reward_reference / "reward_model", output_dir)
     rows, delay = choose_kill_point(f"two-{kill_point}", (2, 7))
-    returncode, output = run_and_interrupt(POLICY, flags, output_dir, signal.SIGKILL, rows, delay, nproc=2)
+    returncode, output = run_and_interrupt(
+        script_command(POLICY, flags, 2), output_dir, signal.SIGKILL, rows, delay, env=script_environment(2)
+    )
     assert returncode == -signal.SIGKILL, output[-3000:]
     # each process's RNG states and query-stream position are in the checkpoint
     newest = output_dir / "checkpoints" / checkpoints(output_dir)[-1]
@@ -242,6 +255,7 @@ def test_policy_two_processes_resume_after_sigkill_is_bit_identical(
     assert len(json.loads((newest / "state.json").read_text())["processes"]) == 2
     result = run_script(POLICY, *flags, "--resume", nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout  # the workers were really killed: the run continued from a checkpoint
     assert_same_run(output_dir, policy_reference_two_processes, "policy/model.safetensors")
     # a checkpoint of 2 processes cannot continue on 1 (per-process RNG streams): a clear error
     (output_dir / "policy").rename(output_dir / "policy-finished")

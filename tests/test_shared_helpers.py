@@ -10,12 +10,13 @@ import ast
 import dataclasses
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, tracked_files
 
 import train_policy_accelerate
 import train_reward_accelerate
@@ -246,9 +247,21 @@ def test_the_details_page_lists_every_tagged_detail():
 
 
 def test_no_file_cites_a_document_the_repository_does_not_have():
-    files = [p for p in REPO.rglob("*") if p.suffix in (".py", ".md", ".sh", ".txt", ".toml", ".slurm", ".yaml")]
-    files = [p for p in files if ".cache" not in p.parts and "runs" not in p.parts]
+    files = [p for p in tracked_files() if p.suffix in (".py", ".md", ".sh", ".txt", ".toml", ".slurm", ".yaml")]
     assert len(files) > 20
     spec = re.compile("SP" "EC" r"\b")  # written in two parts, so that this file does not match itself
     citing = [str(p.relative_to(REPO)) for p in files if spec.search(p.read_text(errors="ignore"))]
     assert not citing, citing
+
+
+def test_repository_checks_read_the_tracked_files_and_nothing_a_setup_put_beside_them():
+    """The README's setup puts `.venv/` inside the repository: its packages must not reach the checks above."""
+    probe = REPO / ".venv-probe-untracked"
+    probe.mkdir(exist_ok=True)
+    try:
+        (probe / "notes.md").write_text("an untracked file")
+        files = tracked_files()
+        assert REPO / "README.md" in files and REPO / "tests" / "conftest.py" in files
+        assert not any(probe in path.parents for path in files)
+    finally:
+        shutil.rmtree(probe)

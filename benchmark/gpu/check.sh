@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One short GPU measurement of the real PPO loop (benchmark/throughput.py): GPT-2 124M and 774M (gpt2-large) at
 # OpenAI's batch of 512 episodes (64 + 24 tokens, 4 PPO epochs), in fp32, bf16 + TF32, and bf16 + TF32 + --compile +
-# --logprobs-from-generation. Each configuration appends one JSON line to $RESULTS (its wall time included); one that
-# fails or passes its time limit appends {"name": ..., "failed": ...} and the script goes on.
+# --logprobs-from-generation; and GPT-2 124M under DeepSpeed ZeRO-2 (benchmark/deepspeed_zero2.yaml on every GPU of
+# the node, NCCL: what the CPU tests cannot show; its reward model is trained under ZeRO-2 too). Each configuration
+# appends one JSON line to $RESULTS (its wall time included); one that fails or passes its time limit appends
+# {"name": ..., "failed": ...} and the script goes on.
 #
 #   bash benchmark/gpu/check.sh                            # a node that can reach PyPI: requirements.txt installed
 #   BUNDLE=DIR bash benchmark/gpu/check.sh                 # an air-gapped node, DIR made by benchmark/gpu/prepare.sh
@@ -20,7 +22,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 MODELS=${MODELS:-"gpt2 gpt2-large"}
-CONFIGS=${CONFIGS:-"fp32 bf16+tf32 bf16+tf32+compile+generation-logprobs"}
+CONFIGS=${CONFIGS:-"fp32 bf16+tf32 bf16+tf32+compile+generation-logprobs zero2"}
 BATCH=${BATCH:-512}
 UPDATES=${UPDATES:-1}
 LIMIT=${LIMIT:-150}
@@ -34,6 +36,16 @@ if [[ -n ${BUNDLE:-} ]]; then
     tokenizer=(--tokenizer "$BUNDLE/gpt2-tokenizer")
     export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 fi
+if [[ " $CONFIGS " == *" zero2 "* ]]; then
+    if [[ -n ${BUNDLE:-} ]]; then
+        install=(--no-index --find-links "$BUNDLE/deepspeed")
+    else
+        install=()
+    fi
+    python -m pip install --quiet "${install[@]}" -r requirements-deepspeed.txt ||
+        echo "check.sh: cannot install requirements-deepspeed.txt: the zero2 configuration will fail" >&2
+fi
+gpus=$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")
 python -c "import torch, transformers, accelerate, tyro; print(f'torch {torch.__version__}, transformers \
 {transformers.__version__}, accelerate {accelerate.__version__}, tyro {tyro.__version__}, cuda available: \
 {torch.cuda.is_available()}')" >&2
@@ -42,18 +54,21 @@ declare -A FLAGS=(
     [fp32]=""
     [bf16+tf32]="--mixed-precision bf16 --allow-tf32"
     [bf16+tf32+compile+generation-logprobs]="--mixed-precision bf16 --allow-tf32 --compile --logprobs-from-generation"
+    [zero2]=""
 )
+declare -A LAUNCHERS=([zero2]="accelerate launch --config_file benchmark/deepspeed_zero2.yaml --num_processes $gpus")
 for model in $MODELS; do
     # gradient accumulation does not change the math (micro-batches of the same minibatch); it bounds the memory
     accumulate="--ppo.gradient-accumulation-steps $([[ $model == gpt2-large || $model == gpt2-xl ]] && echo 4 || echo 1)"
     for config in $CONFIGS; do
+        [[ $config == zero2 && $model != gpt2 && $model != tiny ]] && continue  # ZeRO-2 on GPT-2 124M only: 1 min
         name="$model $config"
         limit=$(( LIMIT < BUDGET - SECONDS ? LIMIT : BUDGET - SECONDS ))
         echo "== $name (time limit $limit s)" >&2
         start=$SECONDS
         if (( limit > 0 )) && line=$(timeout "$limit" python benchmark/throughput.py --stage policy --model "$model" --batch-size "$BATCH" \
             --query-length 64 --response-length 24 --updates "$UPDATES" "${tokenizer[@]}" \
-            --extra="$accumulate ${FLAGS[$config]}" | tail -n 1) && [[ $line == "{"* ]]; then
+            --extra="$accumulate ${FLAGS[$config]}" --launcher="${LAUNCHERS[$config]:-}" | tail -n 1) && [[ $line == "{"* ]]; then
             echo "{\"name\": \"$name\", \"seconds\": $((SECONDS - start)), \"result\": $line}" | tee -a "$RESULTS"
         else
             echo "{\"name\": \"$name\", \"seconds\": $((SECONDS - start)), \"failed\": \"exit status or time limit ($limit s)\"}" |

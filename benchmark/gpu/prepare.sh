@@ -16,6 +16,13 @@ cd "$(dirname "$0")/../.."
 mkdir -p "$OUT/wheels"
 python -m pip download --quiet --no-deps --only-binary=:all: --platform any --python-version "$PYTHON_VERSION" \
     --dest "$OUT/wheels" -r benchmark/gpu/node-requirements.txt
+# OUT/deepspeed: DeepSpeed for check.sh's zero2 configuration. PyPI has only its source: it is built here into a wheel
+# without kernels (DS_BUILD_OPS=0; the build imports this environment's torch), its dependencies downloaded for the
+# node's platform (PLATFORM, default manylinux2014_x86_64).
+DS_BUILD_OPS=0 python -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir "$OUT/deepspeed" \
+    -r requirements-deepspeed.txt
+python -m pip download --quiet --only-binary=:all: --platform "${PLATFORM:-manylinux2014_x86_64}" \
+    --python-version "$PYTHON_VERSION" --dest "$OUT/deepspeed" -r benchmark/gpu/node-deepspeed-requirements.txt
 python - "$OUT" <<'PYTHON'
 import shutil, sys
 from pathlib import Path
@@ -26,7 +33,8 @@ tokenizer = quickstart.prepare_gpt2_tokenizer(Path(".cache"))  # downloads a 0.9
 shutil.copytree(tokenizer, Path(sys.argv[1]) / "gpt2-tokenizer", dirs_exist_ok=True)
 PYTHON
 size=$(du -sb "$OUT" | cut -f1)
-echo "bundle $OUT: $(ls "$OUT/wheels" | wc -l) wheels + gpt2-tokenizer, $((size / 1024)) KiB (limit $LIMIT_MIB MiB)"
+echo "bundle $OUT: $(ls "$OUT/wheels" | wc -l) wheels + $(ls "$OUT/deepspeed" | wc -l) for deepspeed + gpt2-tokenizer," \
+    "$((size / 1024)) KiB (limit $LIMIT_MIB MiB)"
 if (( size > LIMIT_MIB * 1024 * 1024 )); then
     echo "prepare.sh: the bundle is over $LIMIT_MIB MiB" >&2
     exit 1

@@ -1,0 +1,15 @@
+"""Run a training script under a DeepSpeed launch on CPU: `accelerate launch --config_file ... tests/deepspeed_cpu.py
+SCRIPT FLAGS...`. On a machine without GPUs accelerate picks no communication backend for DeepSpeed, so every process
+would run alone as rank 0 of 1 (the scripts refuse that launch). Starting accelerate's process state with gloo first
+gives the DeepSpeed engine a real 2-process group; the script then runs as it would on GPUs. A CPU-only launch fix:
+it stays in the tests."""
+
+import runpy
+import sys
+
+from accelerate import PartialState
+
+if __name__ == "__main__":
+    PartialState(backend="gloo")
+    script, sys.argv = sys.argv[1], sys.argv[1:]
+    runpy.run_path(script, run_name="__main__")
