@@ -140,7 +140,9 @@ JobCompType=jobcomp/filetxt
 JobCompLoc=$dir/log/jobcomp.log
 MinJobAge=3600
 SchedulerType=sched/backfill
-SchedulerParameters=batch_sched_delay=0
+# sched_interval=1: a requeued job is started by the periodic scheduler once its BeginTime (cred_expire) has passed;
+# with the default of 60 s it waited up to a minute more (the backfill pass did not pick it up either)
+SchedulerParameters=batch_sched_delay=0,sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 EnforcePartLimits=ALL
