@@ -146,10 +146,19 @@ def submit_two_node_job(cluster: Path, flags: list[str], job_name: str, logs: Pa
         timeout=JOB_TIMEOUT,
     )
     output = result.stdout + result.stderr
-    assert result.returncode == 0, output + job_log(logs, job_name)[-6000:]
+    assert result.returncode == 0, output + job_log(logs, job_name)[-6000:] + daemon_logs(cluster)
     match = re.search(r"submitted array job (\d+)", result.stdout)
     assert match, output
     return match.group(1), output
+
+
+def daemon_logs(cluster: Path) -> str:
+    """The tails of the cluster's daemon logs, for assertion messages (the directory goes when the module ends)."""
+    tails = [
+        f"\n---- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-20:])
+        for path in sorted((cluster / "log").glob("*.log"))
+    ]
+    return "".join(tails)
 
 
 def job_log(logs: Path, job_name: str) -> str:
@@ -185,7 +194,7 @@ def test_policy_on_two_nodes_equals_two_processes_on_one_machine(
         cluster, policy_flags(tiny_assets, reward_model, output_dir), "twonodes", logs, "--slurm-wait"
     )
     log = job_log(logs, "twonodes")
-    assert f"task 0 seed {SEED}: COMPLETED exit code 0:0" in output, output + log[-6000:]
+    assert f"task 0 seed {SEED}: COMPLETED exit code 0:0" in output, output + log[-6000:] + daemon_logs(cluster)
     record = job_record(cluster, job_id)
     assert (record["NumNodes"], record["NodeList"]) == ("2", "node[1-2]"), record
     assert "on node1, nodes node[1-2]" in log  # the batch script runs on the first node, MASTER_ADDR = node1
@@ -210,11 +219,17 @@ def test_policy_on_two_nodes_requeued_mid_run_resumes_bit_identically(
     # Slurm holds the requeued job back until its step credentials expire: 10 s with ci_two_nodes.sh's cred_expire
     wait_until(lambda: job_record(cluster, job_id)["JobState"] in FINISHED_STATES, 2 * JOB_TIMEOUT, "the requeued job")
     record, log = job_record(cluster, job_id), job_log(logs, "requeue")
-    assert (record["JobState"], record["Restarts"], record["NodeList"]) == ("COMPLETED", "1", "node[1-2]"), log[-6000:]
-    assert "restart 0:" in log and "restart 1:" in log and log.count(f"--seed {SEED} --resume") == 1, log[-6000:]
-    assert "stopped by SIGTERM" in log and "resumed from" in log, log[-6000:]  # it really stopped and continued
+    context = log[-6000:] + daemon_logs(cluster)
+    assert (record["JobState"], record["Restarts"], record["NodeList"]) == ("COMPLETED", "1", "node[1-2]"), context
+    assert "restart 0:" in log and "restart 1:" in log and log.count(f"--seed {SEED} --resume") == 1, context
+    # it really stopped and continued: the restart resumed from the checkpoint that the SIGTERM wrote
+    stopped = re.search(r"stopped by SIGTERM after update (\d+): wrote (\S+);", log)
+    resumed = re.search(r"resumed from (\S+) at update (\d+)", log)
+    assert stopped and resumed, context
+    assert resumed.group(1) == stopped.group(2) and int(resumed.group(2)) == int(stopped.group(1)) + 1, context
     updates = [row["update"] for row in read_jsonl(output_dir / "metrics.jsonl") if "objective/scores" in row]
     assert updates == list(range(1, 9))  # exactly one row per update
+    largest = assert_same_run(output_dir, reference)
     print(
-        f"requeued after {updates_before} of 8 updates: largest tensor difference {assert_same_run(output_dir, reference)}"
+        f"requeued after {updates_before} of 8 updates, stopped after {stopped.group(1)}: largest difference {largest}"
     )
