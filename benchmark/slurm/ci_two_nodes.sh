@@ -2,23 +2,25 @@
 # A real two-node Slurm cluster on one machine (Debian 12's slurm-wlm 22.05 + munge, as root, no systemd), for
 # testing multi-node jobs of benchmark/benchmark.py (tests/test_slurm_two_nodes.py). Everything lives in DIR:
 #
-#   bash benchmark/slurm/ci_two_nodes.sh start DIR          # ~2 s when the packages are installed (apt otherwise)
+#   bash benchmark/slurm/ci_two_nodes.sh start DIR          # < 1 s when the packages are installed (apt otherwise)
 #   bash benchmark/slurm/ci_two_nodes.sh run DIR sbatch ...  # a Slurm client command, run where it reaches the cluster
 #   bash benchmark/slurm/ci_two_nodes.sh stop DIR            # cancels jobs, stops daemons, deletes the namespaces
 #
-# Layout: three network namespaces on a private bridge, nothing added to the host's network namespace:
+# Layout: three network namespaces on a private bridge, nothing added to the host's network namespace (<id> is
+# rlhf2n-<6 random hex digits>, written to DIR/netns):
 #
 #   <id>-ctl    10.77.0.1/24 on the bridge br0 (slurmctld; the clients are run here too)
 #   <id>-node1  10.77.0.2/24 on eth0, veth peer of br0's port veth1 (slurmd of node1)
 #   <id>-node2  10.77.0.3/24 on eth0, veth peer of br0's port veth2 (slurmd of node2)
 #
-# Each daemon also gets its own UTS and mount namespace: its own hostname (ctl, node1, node2; slurmctld insists that
-# its host name is SlurmctldHost, and torchrun's c10d rendezvous recognizes the host of MASTER_ADDR by it) and
-# DIR/hosts bind-mounted over /etc/hosts, so that the node names resolve for the jobs too. (`ip netns exec` would
-# remount /sys, and slurmd then finds no cgroup file system: hence nsenter + unshare.) The job's processes inherit all
-# three namespaces from their slurmd. The cluster has its own slurm.conf, munged (socket and key), state, spool, pid
-# and log directories, all in DIR, and its own ports (6827/6828, though each namespace has its own port space anyway):
-# the one-node CI cluster of ci_start.sh and anything else on the machine stay as they are.
+# There is no route beyond 10.77.0.0/24: traffic stays on the bridge and the namespaces' own loopbacks.
+# Each daemon also gets its own UTS and mount namespace: its own hostname (ctl, node1, node2: slurmctld insists that
+# its host name is SlurmctldHost's, and a job on node1 sees `hostname` = node1 as on a real cluster) and DIR/hosts
+# bind-mounted over /etc/hosts, so that the node names resolve for the jobs too (MASTER_ADDR is a node name).
+# `ip netns exec` would remount /sys, and slurmd then finds no cgroup file system: hence nsenter + unshare. A job's
+# processes inherit all three namespaces from their slurmd. The cluster has its own slurm.conf, munged (socket and
+# key), state, spool, pid and log directories, all in DIR, and its own ports (6827/6828, though each namespace has its
+# own port space anyway): the one-node CI cluster of ci_start.sh and anything else on the machine stay as they are.
 # The filesystem is shared: a job sees the repository, its virtualenv and DIR at their usual paths.
 # No cgroups (as in ci_start.sh): CPU and memory limits are scheduling only; both nodes share this machine's cores.
 #
@@ -71,15 +73,16 @@ in_namespaces() {
 }
 
 start() {
-  # 1. packages (9 debs, ~3.5 MB), as ci_start.sh installs them
-  local need_install=0 bin
+  # 1. packages: slurm-wlm + munge (9 debs, ~3.5 MB, as ci_start.sh installs them) and iproute2 for `ip netns`
+  local packages=() bin
   for bin in slurmctld slurmd sbatch munged; do
-    command -v "$bin" >/dev/null 2>&1 || [ -x "/usr/sbin/$bin" ] || need_install=1
+    command -v "$bin" >/dev/null 2>&1 || [ -x "/usr/sbin/$bin" ] || packages=(slurm-wlm munge)
   done
-  if [ "$need_install" = 1 ]; then
+  command -v ip >/dev/null 2>&1 || packages+=(iproute2)
+  if [ ${#packages[@]} -gt 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
-    apt-get install -y -qq --no-install-recommends slurm-wlm munge >/dev/null
+    apt-get install -y -qq --no-install-recommends "${packages[@]}" >/dev/null
   fi
   [ ! -e "$dir/netns" ] || fail "$dir already holds a cluster: stop it first"
   # munged wants execute permission for everyone on the directories above its socket
@@ -87,7 +90,7 @@ start() {
   install -d -m 0700 "$dir/munge-key"
 
   # 2. network: the bridge and the veth pairs are created inside the namespaces, never in the host's
-  local id i
+  local id i netns
   id=rlhf2n-$(od -An -N3 -tx1 /dev/urandom | tr -d ' \n')
   printf '%s\n' "$id-ctl" "$id-node1" "$id-node2" >"$dir/netns"
   for netns in $(netns_names); do
@@ -105,7 +108,7 @@ start() {
   done
   printf '127.0.0.1 localhost\n%s.1 ctl\n%s.2 node1\n%s.3 node2\n' "$subnet" "$subnet" "$subnet" >"$dir/hosts"
 
-  # 3. munge: its own key and socket (the machine's munged, if any, is not touched)
+  # 3. munge: its own key and socket, run as root (the machine's munged, if any, is not touched)
   mungekey --create --keyfile="$dir/munge-key/munge.key"
   /usr/sbin/munged --socket="$dir/munge/munge.socket" --key-file="$dir/munge-key/munge.key" \
     --pid-file="$dir/munge/munged.pid" --log-file="$dir/log/munged.log" --seed-file="$dir/munge/munged.seed" ||
