@@ -518,13 +518,14 @@ def check_launch(accelerator, args) -> None:
     which accelerate otherwise reads from a prepared dataloader (the scripts prepare none)."""
     fix = ("add --multi_gpu to `accelerate launch` (implied only with several GPUs per machine) or a --config_file "
            "that sets distributed_type; without GPUs, ACCELERATE_USE_CPU=true")  # fmt: skip
-    if accelerator.num_processes != args.world_size:
-        fail(f"launched as {args.world_size} processes (WORLD_SIZE) but each runs in a group of "
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if accelerator.num_processes != launched:
+        fail(f"launched as {launched} processes (WORLD_SIZE) but each runs in a group of "
              f"{accelerator.num_processes}: {fix}")  # fmt: skip
     # accelerate's one-process launcher sets a rendezvous address only for --num_machines / --num_processes > 1
     if "ACCELERATE_DYNAMO_BACKEND" in os.environ and "WORLD_SIZE" not in os.environ and "MASTER_ADDR" in os.environ:
         fail(f"`accelerate launch` was given several machines or processes (MASTER_ADDR is set) but started this "
-             f"process alone: {fix} (one process: unset MASTER_ADDR)")  # fmt: skip
+             f"process alone: {fix} (for one process, run the script with python)")  # fmt: skip
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
         return

@@ -253,8 +253,8 @@ def test_deepspeed_zero2_config_keeps_openai_math():
     assert "gradient_clipping" not in plugin.deepspeed_config
     assert plugin.deepspeed_config["gradient_accumulation_steps"] == "auto"
     assert plugin.deepspeed_config["zero_optimization"]["stage"] == 2
-    accelerator = SimpleNamespace(num_processes=8, mixed_precision="no", state=SimpleNamespace(deepspeed_plugin=plugin))
-    run_utils.check_launch(accelerator, SimpleNamespace(world_size=8, micro_batch_size=4))
+    accelerator = SimpleNamespace(num_processes=1, mixed_precision="no", state=SimpleNamespace(deepspeed_plugin=plugin))
+    run_utils.check_launch(accelerator, SimpleNamespace(micro_batch_size=4))
     assert plugin.deepspeed_config["gradient_clipping"] == 0.0
     assert plugin.deepspeed_config["train_micro_batch_size_per_gpu"] == 4
 

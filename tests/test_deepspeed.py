@@ -259,11 +259,11 @@ def deepspeed_accelerator(**config) -> SimpleNamespace:
     plugin = DeepSpeedPlugin(zero_stage=2, gradient_clipping=0.0)
     plugin.deepspeed_config.update(config)
     state = SimpleNamespace(deepspeed_plugin=plugin)
-    return SimpleNamespace(num_processes=2, mixed_precision="no", state=state)
+    return SimpleNamespace(num_processes=1, mixed_precision="no", state=state)  # WORLD_SIZE unset: 1
 
 
 def test_check_launch_turns_off_deepspeeds_default_clipping_and_sets_the_micro_batch():
-    accelerator, args = deepspeed_accelerator(), SimpleNamespace(world_size=2, micro_batch_size=4)
+    accelerator, args = deepspeed_accelerator(), SimpleNamespace(micro_batch_size=4)
     assert accelerator.state.deepspeed_plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto"  # = 1.0
     run_utils.check_launch(accelerator, args)
     config = accelerator.state.deepspeed_plugin.deepspeed_config
@@ -277,7 +277,7 @@ def test_check_launch_turns_off_deepspeeds_default_clipping_and_sets_the_micro_b
 )
 def test_check_launch_refuses_a_deepspeed_config_that_changes_openais_math(config, message):
     with pytest.raises(SystemExit, match=message):
-        run_utils.check_launch(deepspeed_accelerator(**config), SimpleNamespace(world_size=2, micro_batch_size=4))
+        run_utils.check_launch(deepspeed_accelerator(**config), SimpleNamespace(micro_batch_size=4))
 
 
 def test_check_launch_refuses_a_deepspeed_that_cannot_run_the_reward_model(monkeypatch):
@@ -285,7 +285,7 @@ def test_check_launch_refuses_a_deepspeed_that_cannot_run_the_reward_model(monke
 
     monkeypatch.setattr(deepspeed, "__version__", "0.19.8")
     with pytest.raises(SystemExit, match="deepspeed 0.19.8 cannot start a model with 0-dim parameters"):
-        run_utils.check_launch(deepspeed_accelerator(), SimpleNamespace(world_size=2, micro_batch_size=4))
+        run_utils.check_launch(deepspeed_accelerator(), SimpleNamespace(micro_batch_size=4))
 
 
 def test_the_pinned_deepspeed_is_the_tested_one():

@@ -6,6 +6,7 @@ changes nothing but memory."""
 import json
 import sys
 import types
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -84,6 +85,7 @@ def test_a_stock_sequence_classification_load_refuses_the_reward_model(reward_mo
 
 class FakeAccelerator:
     is_main_process, num_processes, process_index, device = True, 1, 0, torch.device("cpu")
+    state = SimpleNamespace(deepspeed_plugin=None)  # no DeepSpeed
 
     def wait_for_everyone(self):
         pass

@@ -6,6 +6,7 @@ import ast
 import json
 import sys
 import types
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -32,6 +33,7 @@ class FakeAccelerator:
     """One process: what Run needs of an Accelerator."""
 
     is_main_process, num_processes, process_index, device = True, 1, 0, torch.device("cpu")
+    state = SimpleNamespace(deepspeed_plugin=None)  # no DeepSpeed
 
     def wait_for_everyone(self):
         pass

@@ -17,8 +17,9 @@
 # epochs x 3 forwards' worth + 3 rollout forwards of ~8.6e12: 85M trunk parameters x 45k tokens x 2, plus the LM
 # head on the response tokens): ~4-5 s in fp32 at half the H200's 67 TFLOP/s, a few s in bf16; gpt2-large is ~8x
 # that. With start-up (imports, a random model, a 1-step reward model: ~25-40 s) and 1 warm-up + UPDATES updates,
-# about 35 s + 30 s + 80 s (compile) for gpt2 and 105 s + 50 s + 120 s for gpt2-large: ~7 min. LIMIT caps each
-# configuration and BUDGET the whole script (8 min): a configuration past either is recorded as failed.
+# about 35 s + 30 s + 80 s (compile) for gpt2 and 105 s + 50 s + 120 s for gpt2-large, ~60 s for zero2: ~8 min.
+# LIMIT caps each configuration and BUDGET the whole script (8 min): a configuration past either is recorded as
+# failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 MODELS=${MODELS:-"gpt2 gpt2-large"}
@@ -57,11 +58,11 @@ declare -A FLAGS=(
     [zero2]=""
 )
 declare -A LAUNCHERS=([zero2]="accelerate launch --config_file benchmark/deepspeed_zero2.yaml --num_processes $gpus")
-for model in $MODELS; do
-    # gradient accumulation does not change the math (micro-batches of the same minibatch); it bounds the memory
-    accumulate="--ppo.gradient-accumulation-steps $([[ $model == gpt2-large || $model == gpt2-xl ]] && echo 4 || echo 1)"
-    for config in $CONFIGS; do
-        [[ $config == zero2 && $model != gpt2 && $model != tiny ]] && continue  # ZeRO-2 on GPT-2 124M only: 1 min
+for config in $CONFIGS; do  # configurations in order, each on every model: the last ones are cut first by BUDGET
+    for model in $MODELS; do
+        [[ $config == zero2 && $model != gpt2 && $model != tiny ]] && continue  # ZeRO-2 on GPT-2 124M only: ~1 min
+        # gradient accumulation does not change the math (micro-batches of the same minibatch); it bounds the memory
+        accumulate="--ppo.gradient-accumulation-steps $([[ $model == gpt2-large || $model == gpt2-xl ]] && echo 4 || echo 1)"
         name="$model $config"
         limit=$(( LIMIT < BUDGET - SECONDS ? LIMIT : BUDGET - SECONDS ))
         echo "== $name (time limit $limit s)" >&2
