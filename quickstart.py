@@ -842,15 +842,24 @@ def format_summary(summary: dict, output_dir: Path) -> str:
 # orchestration
 
 
-def prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
+def prepare_output_dir(output_dir: Path, overwrite: bool, inputs: dict[str, str]) -> None:
     """A fresh quick-start directory: refuse to mix with an earlier run unless --overwrite, which removes only the
-    quick start's own files (the scripts append to their metrics files, so stale ones would corrupt the summary)."""
+    quick start's own files (the scripts append to their metrics files, so stale ones would corrupt the summary), and
+    never one of the `inputs` (flag -> path) the run is about to read."""
     previous = [name for name in RUN_FILES if (output_dir / name).exists()]
     if previous and not overwrite:
         raise SystemExit(
             f"quickstart: {output_dir} already holds a quick start ({', '.join(previous)}); "
             "pass --overwrite to replace it, or --output-dir DIR"
         )
+    for flag, value in inputs.items():  # nothing a run reads may be among what --overwrite removes
+        path = Path(value).resolve()
+        gone = next(
+            (output_dir / n for n in previous if path == output_dir / n or output_dir / n in path.parents), None
+        )
+        if gone is not None:
+            raise SystemExit(f"quickstart: {flag} {value} is inside {gone}, which --overwrite removes: move it first "
+                             "or use another --output-dir")  # fmt: skip
     for name in previous:
         path = output_dir / name
         shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -914,7 +923,9 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
         for command in commands:
             run_script(console, "dry-run", [*command, "--dry-run"], environment)
         return None
-    prepare_output_dir(output_dir, args.overwrite)
+    inputs = {"--reward-model": args.reward_model, "--base-model": args.base_model, "--corpus": args.corpus,
+              "--cache-dir": args.cache_dir}  # fmt: skip
+    prepare_output_dir(output_dir, args.overwrite, {flag: value for flag, value in inputs.items() if value})
     torch.set_num_threads(args.threads)
     precision = "bf16 autocast" if args.mixed_precision == "bf16" else "fp32"
     console.print(

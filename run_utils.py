@@ -472,6 +472,20 @@ def prepare_output_dir(output_dir: str, finished_marker: str, overwrite: bool, r
     return path
 
 
+def check_inputs_outside(args, removed: list[Path]) -> None:
+    """No flag names a local input inside what --overwrite removes (the logs, the checkpoints, and at the end the
+    result directory, replaced by the new one): refused before anything is removed."""
+    removed = [path.resolve() for path in removed]
+    for key, value in flat_dict(asdict(args)).items():
+        if key == "output_dir" or not isinstance(value, str) or not value or not Path(value).exists():
+            continue
+        path = Path(value).resolve()
+        gone = next((g for g in removed if path == g or g in path.parents), None)
+        if gone is not None:
+            fail(f"--{key.replace('_', '-')} {value} is inside {gone}, which --overwrite replaces: move it first or "
+                 "use another --output-dir")  # fmt: skip
+
+
 def flat_dict(config: dict, prefix: str = "") -> dict:
     items = [
         flat_dict(v, f"{prefix}{k}.").items() if isinstance(v, dict) else [(prefix + k, v)] for k, v in config.items()
@@ -554,6 +568,8 @@ class Run:
 
     def __init__(self, args, accelerator, result: str, may_change: set[str], step_name: str = "step"):
         check_launch(accelerator, args)  # before anything is written
+        if args.overwrite:
+            check_inputs_outside(args, [Path(args.output_dir, name) for name in (*RUN_LOGS, "checkpoints", result)])
         self.args, self.accelerator, self.result, self.step_name = args, accelerator, result, step_name
         self.main, self.console = accelerator.is_main_process, console
         self.output_dir = prepare_output_dir(args.output_dir, result, args.overwrite, args.resume)

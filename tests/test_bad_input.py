@@ -8,6 +8,7 @@ user sees on stderr."""
 
 import importlib
 import json
+import shutil
 import subprocess
 import time
 import traceback
@@ -183,6 +184,21 @@ def test_output_directory_with_a_finished_run(tiny_assets, tmp_path, script, mar
     result = run_in_process(script, *flags)
     check_one_line_error(result, "--output-dir", "finished run", "--overwrite")
     assert (tmp_path / "out" / marker / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("script, inside", [(REWARD, "checkpoints/step-00000002"), (POLICY, "policy")])
+def test_overwrite_refuses_an_input_inside_what_it_replaces(tiny_assets, tmp_path, script, inside):
+    """`--overwrite --base-model OUT/policy` would replace the model it was asked to start from: refused, kept."""
+    base_model = tmp_path / "out" / inside
+    shutil.copytree(tiny_assets["model"], base_model)
+    (tmp_path / "out" / "metrics.jsonl").write_text('{"step": 1}\n')
+    flags = ["--base-model", str(base_model), "--task.query-dataset", str(tiny_assets["corpus"]),
+             "--output-dir", str(tmp_path / "out"), "--overwrite"]  # fmt: skip
+    result = run_in_process(script, *flags, *script_inputs(script, tiny_assets, tmp_path))
+    check_one_line_error(result, "--base-model", "--overwrite")
+    assert (base_model / "config.json").is_file() and (
+        tmp_path / "out" / "metrics.jsonl"
+    ).read_text() == '{"step": 1}\n'
 
 
 @pytest.mark.parametrize("script", [REWARD, POLICY])

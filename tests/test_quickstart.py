@@ -125,10 +125,23 @@ def test_prepare_output_dir_refuses_a_previous_run_and_overwrite_removes_only_it
     (tmp_path / "summary.json").write_text("{}")
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(SystemExit) as failure:
-        prepare_output_dir(tmp_path, overwrite=False)
+        prepare_output_dir(tmp_path, overwrite=False, inputs={})
     assert "--overwrite" in str(failure.value) and "\n" not in str(failure.value)
-    prepare_output_dir(tmp_path, overwrite=True)
+    prepare_output_dir(tmp_path, overwrite=True, inputs={"--corpus": str(tmp_path / "notes.txt")})
     assert sorted(path.name for path in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_overwrite_never_deletes_the_reward_model_it_was_asked_to_use(tmp_path, capsys):
+    """`quickstart.py --overwrite --reward-model OUT/reward/reward_model` is refused before anything is removed."""
+    reward_model = tmp_path / "reward" / "reward_model"
+    reward_model.mkdir(parents=True)
+    (reward_model / "reward_model.json").write_text("{}")
+    (tmp_path / "summary.json").write_text("{}")
+    with pytest.raises(SystemExit) as failure:
+        quickstart.main(["--output-dir", str(tmp_path), "--overwrite", "--reward-model", str(reward_model)])
+    message = str(failure.value)
+    assert "--reward-model" in message and "--overwrite" in message and "\n" not in message
+    assert (reward_model / "reward_model.json").is_file() and (tmp_path / "summary.json").is_file()
 
 
 @pytest.mark.parametrize(
