@@ -31,6 +31,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -336,6 +337,7 @@ REPO = Path(__file__).resolve().parent
 NUM_SAMPLES = 4
 """Best-of-4 labels: a reward model that guesses gets 1/4 of the held-out labels right."""
 RUN_FILES = (
+    "quickstart_args.json",
     "reward",
     "policy",
     "reward_queries.jsonl",
@@ -848,16 +850,26 @@ def format_summary(summary: dict, output_dir: Path) -> str:
 # orchestration
 
 
-def prepare_output_dir(output_dir: Path, overwrite: bool, inputs: dict[str, str]) -> None:
-    """A fresh quick-start directory: refuse to mix with an earlier run unless --overwrite, which removes only the
-    quick start's own files (the scripts append to their metrics files, so stale ones would corrupt the summary), and
-    never one of the `inputs` (flag -> path) the run is about to read."""
+def prepare_output_dir(output_dir: Path, args: argparse.Namespace, inputs: dict[str, str]) -> bool:
+    """The quick start's directory. An unfinished quick start there is continued (returns True): its finished phases
+    are kept and an interrupted script resumes from its checkpoint, provided the flags are the first attempt's. A
+    finished one is replaced only with --overwrite, which removes the quick start's own files and nothing else, and
+    never one of the `inputs` (flag -> path) this run is about to read."""
+    flags = {name: value for name, value in vars(args).items() if name not in ("overwrite", "dry_run")}
     previous = [name for name in RUN_FILES if (output_dir / name).exists()]
-    if previous and not overwrite:
-        raise SystemExit(
-            f"quickstart: {output_dir} already holds a quick start ({', '.join(previous)}); "
-            "pass --overwrite to replace it, or --output-dir DIR"
-        )
+    if previous and not args.overwrite:
+        if (output_dir / "summary.json").exists():
+            raise SystemExit(f"quickstart: {output_dir} already holds a finished quick start; pass --overwrite to "
+                             "replace it, or --output-dir DIR")  # fmt: skip
+        recorded = output_dir / "quickstart_args.json"
+        first = json.loads(recorded.read_text()) if recorded.exists() else flags
+        if first != flags:
+            differ = ", ".join(
+                f"--{name.replace('_', '-')}" for name in sorted(flags) if first.get(name) != flags[name]
+            )
+            raise SystemExit(f"quickstart: {output_dir} holds an unfinished quick start with other flags ({differ} "
+                             "differ): the same flags continue it, --overwrite starts it again")  # fmt: skip
+        return True
     for flag, value in inputs.items():  # nothing a run reads may be among what --overwrite removes
         path = Path(value).resolve()
         gone = next(
@@ -870,14 +882,32 @@ def prepare_output_dir(output_dir: Path, overwrite: bool, inputs: dict[str, str]
         path = output_dir / name
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "quickstart_args.json").write_text(json.dumps(flags, indent=2) + "\n")
+    return False
+
+
+class Interrupted(Exception):
+    """Ctrl-C: the running script wrote its checkpoint and stopped."""
 
 
 def run_script(console, title: str, command: list[str], environment: dict[str, str]) -> None:
-    """Run a training script, its output (rich progress bars included) going straight to this terminal."""
+    """Run a training script, its output (rich progress bars included) going straight to this terminal. It runs in a
+    process group of its own, so that each Ctrl-C reaches it exactly once, passed on from here: the first makes it
+    finish its step, write a checkpoint and stop (exit 130), a second stops it at once."""
     console.print(f"[dim]$ python {shlex.join(command[1:])}[/dim]", soft_wrap=True)
-    result = subprocess.run(command, env=environment, cwd=REPO)
-    if result.returncode != 0:
-        raise SystemExit(f"quickstart: the {title} phase failed (exit {result.returncode}); its output is above")
+    process = subprocess.Popen(command, env=environment, cwd=REPO, process_group=0)
+    interrupted = False
+    while True:
+        try:
+            returncode = process.wait()
+            break
+        except KeyboardInterrupt:
+            interrupted = True
+            process.send_signal(signal.SIGINT)
+    if interrupted or returncode == 128 + signal.SIGINT:
+        raise Interrupted(title)
+    if returncode != 0:
+        raise SystemExit(f"quickstart: the {title} phase failed (exit {returncode}); its output is above")
 
 
 def prepare_assets(console, args) -> tuple[Path, Path]:
@@ -952,7 +982,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
         return dry_run(console, args, reward_dir, policy_dir, environment)
     inputs = {"--reward-model": args.reward_model, "--base-model": args.base_model, "--corpus": args.corpus,
               "--cache-dir": args.cache_dir}  # fmt: skip
-    prepare_output_dir(output_dir, args.overwrite, {flag: value for flag, value in inputs.items() if value})
+    continuing = prepare_output_dir(output_dir, args, {flag: value for flag, value in inputs.items() if value})
     torch.set_num_threads(args.threads)
     precision = "bf16 autocast" if args.mixed_precision == "bf16" else "fp32"
     console.print(
@@ -967,7 +997,10 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     timings["prep"] = time.time() - start
 
     phase_start = time.time()
-    if args.reward_model is None:
+    if args.reward_model is None and (reward_dir / "reward_model").is_dir():
+        console.rule("2/4  reward model: trained by an earlier attempt")
+        reward_model = reward_dir / "reward_model"
+    elif args.reward_model is None:
         console.rule("2/4  reward model: simulated best-of-4 labels, then training")
         reward_model = reward_dir / "reward_model"
         policy_flags = policy_command(args, base_model, corpus, reward_model, policy_dir)[2:]
@@ -976,7 +1009,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
             f"reward-model queries: {kept} texts of {corpus.name} (the policy's {held_out} held-out texts left out)"
         )
         commands["reward"] = reward_command(args, base_model, output_dir / "reward_queries.jsonl", reward_dir)
-        run_script(console, "reward model", commands["reward"], environment)
+        resume = ["--resume"] if continuing and reward_dir.exists() else []  # from its checkpoint, if it wrote one
+        run_script(console, "reward model", commands["reward"] + resume, environment)
     else:
         console.rule("2/4  reward model: reusing --reward-model")
         reward_model, reward_dir = Path(args.reward_model).resolve(), None
@@ -985,7 +1019,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     phase_start = time.time()
     console.rule("3/4  policy: PPO against the reward model, held-out gold evaluation")
     commands["policy"] = policy_command(args, base_model, corpus, reward_model, policy_dir)
-    run_script(console, "policy", commands["policy"], environment)
+    resume = ["--resume"] if continuing and policy_dir.exists() else []  # returns at once if it had finished
+    run_script(console, "policy", commands["policy"] + resume, environment)
     timings["policy"] = time.time() - phase_start
 
     phase_start = time.time()
@@ -1007,4 +1042,10 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (KeyboardInterrupt, Interrupted) as stop:
+        where = f" in the {stop.args[0]} phase" if isinstance(stop, Interrupted) else ""
+        print(f"quickstart: stopped by Ctrl-C{where}; the same command continues (finished phases are kept, a "
+              "stopped script resumes from its checkpoint)", file=sys.stderr)  # fmt: skip
+        sys.exit(128 + signal.SIGINT)

@@ -6,8 +6,11 @@ tests/test_reward_units.py (`test_simulated_*_labeler_*`).
 """
 
 import json
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -120,15 +123,29 @@ def test_before_after_table_pairs_queries_and_escapes_markdown():
 # run directory and command line
 
 
-def test_prepare_output_dir_refuses_a_previous_run_and_overwrite_removes_only_its_files(tmp_path):
+def quickstart_args(*flags: str):
+    return quickstart.build_parser().parse_args(list(flags))
+
+
+def test_prepare_output_dir_refuses_a_finished_run_and_overwrite_removes_only_its_files(tmp_path):
     (tmp_path / "policy").mkdir()
     (tmp_path / "summary.json").write_text("{}")
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(SystemExit) as failure:
-        prepare_output_dir(tmp_path, overwrite=False, inputs={})
-    assert "--overwrite" in str(failure.value) and "\n" not in str(failure.value)
-    prepare_output_dir(tmp_path, overwrite=True, inputs={"--corpus": str(tmp_path / "notes.txt")})
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["notes.txt"]
+        prepare_output_dir(tmp_path, quickstart_args(), inputs={})
+    assert "finished quick start" in str(failure.value) and "--overwrite" in str(failure.value)
+    assert "\n" not in str(failure.value)
+    assert not prepare_output_dir(tmp_path, quickstart_args("--overwrite"), {"--corpus": str(tmp_path / "notes.txt")})
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["notes.txt", "quickstart_args.json"]
+
+
+def test_an_unfinished_quick_start_is_continued_with_the_same_flags_only(tmp_path):
+    assert not prepare_output_dir(tmp_path, quickstart_args("--labels", "64"), inputs={})  # a first attempt
+    (tmp_path / "reward_queries.jsonl").write_text("")  # it stopped (or failed) before finishing
+    assert prepare_output_dir(tmp_path, quickstart_args("--labels", "64"), inputs={})  # continued, nothing removed
+    assert (tmp_path / "reward_queries.jsonl").exists()
+    with pytest.raises(SystemExit, match=r"other flags \(--labels, --seed differ\)"):
+        prepare_output_dir(tmp_path, quickstart_args("--labels", "32", "--seed", "2"), inputs={})
 
 
 def test_overwrite_never_deletes_the_reward_model_it_was_asked_to_use(tmp_path, capsys):
@@ -210,9 +227,8 @@ def test_reward_queries_leave_out_exactly_the_policys_held_out_texts(gpt2_tokeni
 # smoke run: the real command on a tiny GPT-2
 
 
-def test_quickstart_smoke_run_on_a_tiny_model(tiny_assets, tmp_path):
-    output_dir = tmp_path / "quickstart"
-    command = [
+def tiny_quickstart(tiny_assets, output_dir: Path, updates: int = 3) -> list[str]:
+    return [
         sys.executable, str(REPO / "quickstart.py"),
         "--output-dir", str(output_dir),
         "--smoke",  # the sizes below are given, so they win over --smoke's
@@ -221,10 +237,38 @@ def test_quickstart_smoke_run_on_a_tiny_model(tiny_assets, tmp_path):
         "--threads", "1",
         "--query-length", "8", "--response-length", "8", "--truncate-after", "2",
         "--labels", "16", "--test-labels", "8", "--reward-batch-size", "8", "--normalize-samples", "8",
-        "--updates", "3", "--ppo-batch-size", "8", "--ppo-epochs", "2", "--ppo-lr", "1e-4", "--kl-horizon", "64",
-        "--eval-queries", "6", "--eval-samples-per-query", "2", "--eval-every", "2",
+        "--updates", str(updates), "--ppo-batch-size", "8", "--ppo-epochs", "2", "--ppo-lr", "1e-4",
+        "--kl-horizon", "64", "--eval-queries", "6", "--eval-samples-per-query", "2", "--eval-every", "2",
         "--bootstrap-resamples", "500", "--table-rows", "4",
     ]  # fmt: skip
+
+
+def test_ctrl_c_keeps_the_work_and_the_same_command_continues(tiny_assets, tmp_path):
+    """Ctrl-C in the policy phase: the script writes its checkpoint, the quick start exits 130 with one line; the
+    same command again keeps the reward model and resumes the policy from its checkpoint."""
+    output_dir = tmp_path / "quickstart"
+    command = tiny_quickstart(tiny_assets, output_dir, updates=12)
+    log = (tmp_path / "first.log").open("w")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    metrics, deadline = output_dir / "policy" / "metrics.jsonl", time.time() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
+        assert process.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        time.sleep(0.1)
+    process.send_signal(signal.SIGINT)  # to the quick start only, as a terminal's Ctrl-C would reach it
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, (tmp_path / "first.log").read_text()[-3000:] + stderr
+    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1].startswith("quickstart: stopped by Ctrl-C")
+    assert list((output_dir / "policy" / "checkpoints").glob("step-*")) and not (output_dir / "summary.json").exists()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "reward model: trained by an earlier attempt" in result.stdout and "resumed from" in result.stdout
+    updates = [row["update"] for row in read_jsonl(metrics) if "objective/scores" in row]
+    assert updates == list(range(1, 13)) and (output_dir / "summary.json").exists()
+
+
+def test_quickstart_smoke_run_on_a_tiny_model(tiny_assets, tmp_path):
+    output_dir = tmp_path / "quickstart"
+    command = tiny_quickstart(tiny_assets, output_dir)
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "quick start summary" in result.stdout and "verdict" in result.stdout
