@@ -701,7 +701,9 @@ def before_after_markdown(initial: Sequence[dict], final: Sequence[dict], rows: 
     return "\n".join(lines) + "\n"
 
 
-def plot_learning_curves(metrics: Sequence[dict], evaluations: dict[int, dict], batch_size: int, path: Path) -> None:
+def plot_learning_curves(
+    metrics: Sequence[dict], evaluations: dict[int, dict], batch_size: int, kl_target: float, path: Path
+) -> None:
     """learning_curves.png: the training batches' reward-model score, KL and KL coefficient against episodes, and the
     held-out gold and reward-model scores (95% CIs) against episodes and against the held-out KL: the
     over-optimization picture, where the proxy can keep rising while the gold score stops."""
@@ -721,6 +723,10 @@ def plot_learning_curves(metrics: Sequence[dict], evaluations: dict[int, dict], 
         axis.plot(episodes, [row[key] for row in metrics], marker=".", color="tab:blue")
         axis.set_title(title, fontsize=10)
         axis.set_xlabel("episodes")
+    axes[0, 1].axhline(
+        kl_target, color="tab:red", linestyle="--", linewidth=1, label="the adaptive controller's target"
+    )
+    axes[0, 1].legend(fontsize=8)
     updates = sorted(evaluations)
     for axis, x, xlabel in (
         (axes[1, 0], [update * batch_size for update in updates], "episodes"),
@@ -796,7 +802,7 @@ def summarize(args, output_dir: Path, reward_dir: Path | None, policy_dir: Path)
         "gold_improved": gold["difference"].low > 0,
         "eval_curve": {str(update): {k: v.as_dict() for k, v in value.items()} for update, value in sorted(evaluations.items())},
     }  # fmt: skip
-    plot_learning_curves(metrics, evaluations, args.ppo_batch_size, output_dir / "learning_curves.png")
+    plot_learning_curves(metrics, evaluations, args.ppo_batch_size, args.kl_target, output_dir / "learning_curves.png")
     table = before_after_markdown(by_update[first], by_update[last], args.table_rows, last)
     (output_dir / "samples_before_after.md").write_text(table, encoding="utf-8")
     return summary
@@ -915,6 +921,10 @@ def prepare_assets(console, args) -> tuple[Path, Path]:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     cache = Path(args.cache_dir)
+    if not sys.stdout.isatty():  # a log file: no transformers bars in it as one "\r"-joined line
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
     steps = []
     if args.base_model is None:
         steps.append(

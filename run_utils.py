@@ -57,7 +57,7 @@ class RunArgs:
     finished); every flag that changes the math must be as before"""
     checkpoint_every: int = 0
     """write a checkpoint (model, optimizer, RNG states, data position, logs) every this many steps into
-    --output-dir/checkpoints (0: only when stopped by SIGTERM or Ctrl-C)"""
+    --output-dir/checkpoints (0: only when stopped by SIGTERM or Ctrl-C, and removed once the resumed run finishes)"""
     checkpoint_keep: int = 2
     """keep the newest this many checkpoints"""
     dry_run: bool = False
@@ -602,6 +602,9 @@ class Run:
             shutil.rmtree(stale)  # temporaries of a process killed while writing a checkpoint
         if self.checkpoint is None:
             shutil.rmtree(checkpoints, ignore_errors=True)
+            if not self.args.resume:
+                for partial in self.output_dir.glob("*.partial"):
+                    shutil.rmtree(partial)  # a fresh start makes its work anew
             for events in self.output_dir.glob("events.out.tfevents.*"):
                 events.unlink()
             write_text_atomic(self.output_dir / "args.json", json.dumps(asdict(self.args), indent=2))
@@ -625,8 +628,10 @@ class Run:
             id_file = self.output_dir / "wandb_run_id"  # --resume continues the same wandb run
             run_id = id_file.read_text().strip() if self.args.resume and id_file.is_file() else os.urandom(4).hex()
             write_text_atomic(id_file, run_id)
+            # dir: wandb's own files go to OUTPUT_DIR/wandb, not into the working directory
             self.wandb = wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity,
-                                    name=self.args.run_name, config=asdict(self.args), id=run_id, resume="allow")  # fmt: skip
+                                    name=self.args.run_name, config=asdict(self.args), id=run_id, resume="allow",
+                                    dir=self.output_dir)  # fmt: skip
             self.first_new_step = self.wandb.step  # 0, or one past the steps an interrupted attempt already sent
 
     def append_jsonl(self, name: str, rows: list[dict]) -> None:
@@ -642,6 +647,10 @@ class Run:
         if self.main:
             save_directory_atomic(path, write)
             self.print(f"saved {path}")
+            stops = self.output_dir / "checkpoints"
+            if self.args.checkpoint_every == 0 and stops.is_dir():  # written only to stop and resume: done with
+                shutil.rmtree(stops)
+                self.print(f"removed {stops}: the checkpoint of an earlier stop, not needed by a finished run")
             if self.args.upload_model:
                 from huggingface_hub import HfApi
 
@@ -771,13 +780,17 @@ class Run:
         self.print(f"resumed from {self.checkpoint} at {self.step_name} {self.start_step + 1}")
         return state
 
-    def checkpoint_if_due(self, step: int, state: dict, process_state: dict) -> None:
-        """checkpoints/step-N every --checkpoint-every steps, and after a SIGTERM / Ctrl-C on any process, after which
-        the run stops (exit 143 / 130, so a requeued job resumes from it)."""
+    def stop_requested(self) -> int:
+        """The signal (SIGTERM / Ctrl-C) any process got, 0 if none: the same answer on every process."""
         stopping = self.accelerator.reduce(
             torch.tensor(float(self.stop_signal or 0), device=self.accelerator.device), "max"
         )
-        signum = int(stopping.item())  # every process stops after the same step
+        return int(stopping.item())
+
+    def checkpoint_if_due(self, step: int, state: dict, process_state: dict) -> None:
+        """checkpoints/step-N every --checkpoint-every steps, and after a SIGTERM / Ctrl-C on any process, after which
+        the run stops (exit 143 / 130, so a requeued job resumes from it)."""
+        signum = self.stop_requested()  # every process stops after the same step
         if signum or (self.args.checkpoint_every and step % self.args.checkpoint_every == 0):
             path = self.save_checkpoint(step, state, process_state)
             if signum:
@@ -785,6 +798,44 @@ class Run:
                            "continue with --resume")  # fmt: skip
                 self.close()
                 raise SystemExit(128 + signum)
+
+    # -- work before training (simulated labels), kept when a run is stopped there -------------------------------------
+    def stop_keeping_partial(self, name: str, signum: int, process_state: dict) -> NoReturn:
+        """Stop (exit 143 / 130) keeping each process's part of the work done so far and its RNG states in
+        OUTPUT_DIR/NAME.partial/, which `load_partial` gives back to a --resume."""
+        directory, rank = self.output_dir / f"{name}.partial", self.accelerator.process_index
+        directory.mkdir(exist_ok=True)
+        state = {**process_state, "world_size": self.accelerator.num_processes, "rng": torch.get_rng_state(),
+                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}  # fmt: skip
+        torch.save(state, directory / f".process-{rank}.tmp")
+        os.replace(directory / f".process-{rank}.tmp", directory / f"process-{rank}.pt")
+        self.accelerator.wait_for_everyone()
+        self.print(f"stopped by {signal.Signals(signum).name}: kept the {name} made so far in {directory}; continue "
+                   "with --resume")  # fmt: skip
+        self.close()
+        raise SystemExit(128 + signum)
+
+    def load_partial(self, name: str) -> Optional[dict]:
+        """On --resume, this process's part of a stopped attempt's work (`stop_keeping_partial`), its RNG states
+        restored; None when there is none."""
+        path = self.output_dir / f"{name}.partial" / f"process-{self.accelerator.process_index}.pt"
+        if not (self.args.resume and path.is_file()):
+            return None
+        state = torch.load(path, weights_only=False)
+        if state["world_size"] != self.accelerator.num_processes:
+            fail(f"--resume: {path.parent} was written by {state['world_size']} processes, this run has "
+                 f"{self.accelerator.num_processes}; resume with the same number")  # fmt: skip
+        torch.set_rng_state(state["rng"])
+        if state["cuda_rng"] is not None:
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        self.print(f"resumed the {name} from {path.parent}")
+        return state
+
+    def discard_partial(self, name: str) -> None:
+        """The work is complete: its partial copy goes."""
+        self.accelerator.wait_for_everyone()
+        if self.main:
+            shutil.rmtree(self.output_dir / f"{name}.partial", ignore_errors=True)
 
     def save_checkpoint(self, step: int, state: dict, process_state: dict) -> Path:
         """All that continuing exactly after `step` needs: model, optimizer and every process's RNG states (accelerate's

@@ -638,8 +638,14 @@ def simulate_labels(run, ref_lm, queries: QueryStream, tokenizer, truncate_token
     pad_id, total = tokenizer.pad_token_id, args.labels.num_train + args.labels.simulated_num_test
     local = math.ceil(total / args.world_size)
     chunk = max(args.local_rollout_forward_batch_size // NUM_SAMPLES, 1)
-    records = []
-    for start in run.progress(range(0, local, chunk), "simulating labels"):
+    records, first = [], 0
+    stopped = run.load_partial("labels")  # on --resume after a stop here: the labels made so far, then the rest
+    if stopped is not None:
+        records, first = stopped["records"], stopped["next"]
+        queries.load_state(stopped["stream"])
+    for start in run.progress(range(first, local, chunk), "simulating labels"):
+        if signum := run.stop_requested():  # Ctrl-C / SIGTERM: stop now, keeping what is made
+            run.stop_keeping_partial("labels", signum, {"records": records, "next": start, "stream": queries.state()})
         query = queries.next_batch(min(chunk, local - start)).to(ref_lm.device)  # (b, C): bare, as in OAI's files
         contexts = queries.format(query).repeat_interleave(NUM_SAMPLES, 0)  # (4b, prefix + C + suffix)
         response = generate_responses(ref_lm, contexts, pad_id, args.task.response_length, args.task.temperature)
@@ -727,6 +733,7 @@ def main(args: Args) -> None:
                 records = simulate_labels(run, ref_lm, query_stream, tokenizer, cut_token_id, args)
             if accelerator.is_main_process:
                 run_utils.write_text_atomic(label_path, json.dumps(records))
+            run.discard_partial("labels")
         accelerator.wait_for_everyone()
         labels = load_labels(str(label_path), tokenizer, args)
     # 1. normalize before (before the optimizer holds the weights: DeepSpeed's fp32 copy then starts from gain and bias)

@@ -264,6 +264,7 @@ def test_ctrl_c_keeps_the_work_and_the_same_command_continues(tiny_assets, tmp_p
     assert "reward model: trained by an earlier attempt" in result.stdout and "resumed from" in result.stdout
     updates = [row["update"] for row in read_jsonl(metrics) if "objective/scores" in row]
     assert updates == list(range(1, 13)) and (output_dir / "summary.json").exists()
+    assert not (output_dir / "policy" / "checkpoints").exists()  # the stop checkpoint goes once the run finished
 
 
 def test_quickstart_smoke_run_on_a_tiny_model(tiny_assets, tmp_path):

@@ -161,6 +161,44 @@ def test_reward_sigterm_or_ctrl_c_writes_a_checkpoint_and_stops_then_resumes_ide
     assert_same_run(output_dir, reward_reference, "reward_model/reward_head.safetensors")
 
 
+SIMULATED = [
+    "--labels.source",
+    "sentiment",
+    "--labels.simulated-num-test",
+    "16",
+    "--local-rollout-forward-batch-size",
+    "8",
+]
+
+
+def test_ctrl_c_while_simulating_labels_stops_in_seconds_keeps_them_and_resumes_identically(tiny_assets, tmp_path):
+    """80 labels made 2 queries at a time: Ctrl-C in the middle stops after the current 2 (not after all 80), the
+    labels made so far are kept, and --resume continues them: the same labels and model as an uninterrupted run."""
+    reference = tmp_path / "reference"
+    assert run_script(REWARD, *reward_flags(tiny_assets, reference, *SIMULATED)).returncode == 0
+    output_dir, log = tmp_path / "run", tmp_path / "first.log"
+    flags = reward_flags(tiny_assets, output_dir, *SIMULATED)
+    with log.open("w") as out:
+        process = subprocess.Popen(script_command(REWARD, flags), env=script_environment(), cwd=REPO, stdout=out,
+                                   stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        deadline = time.time() + 120
+        while "simulating labels: 1/" not in log.read_text() and time.time() < deadline:
+            assert process.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        interrupted = time.time()
+        process.wait(timeout=120)
+    output = log.read_text()
+    assert process.returncode == 130 and time.time() - interrupted < 10, output[-3000:]
+    assert "kept the labels made so far" in output and not (output_dir / "labels.json").exists()
+    assert list((output_dir / "labels.partial").glob("process-*.pt"))
+    result = run_script(REWARD, *flags, "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed the labels from" in result.stdout and not (output_dir / "labels.partial").exists()
+    assert (output_dir / "labels.json").read_text() == (reference / "labels.json").read_text()
+    assert_same_run(output_dir, reference, "reward_model/reward_head.safetensors")
+
+
 def test_resuming_a_finished_run_returns_at_once_and_changes_nothing(tiny_assets, reward_reference):
     before = (reward_reference / "metrics.jsonl").read_text()
     start = time.time()

@@ -71,7 +71,7 @@ def test_tracked_resume_continues_the_same_wandb_run(tmp_path, monkeypatch):
         run.file.close()
     first, fresh, resumed = (kwargs["id"] for kwargs in inits)
     assert first != fresh and resumed == fresh == (tmp_path / "wandb_run_id").read_text()  # --overwrite: a new run
-    assert all(kwargs["resume"] == "allow" for kwargs in inits)
+    assert all(kwargs["resume"] == "allow" and kwargs["dir"] == tmp_path for kwargs in inits)  # wandb/ in the run
     assert logged == [4, 5, 4, 5, 5]  # the resumed logger skips step 4, which wandb already has
 
 
