@@ -904,8 +904,7 @@ def main(args: Args) -> None:
     ref_lm = load_pretrained(AutoModelForCausalLM, args.base_model, "--base-model").to(device).eval()
     ref_lm.requires_grad_(False)
     reward_model = load_reward_model(args.rewards.trained_model).to(device).eval().requires_grad_(False)
-    for lm in (policy.lm, ref_lm):
-        use_plain_sampling(lm)
+    use_plain_sampling(policy.lm)  # the only model that samples (the reference model only scores)
     if args.gradient_checkpointing:
         run_utils.enable_gradient_checkpointing(policy.lm)
     optimizer = make_optimizer(policy.parameters(), ppo.lr, ppo.eps, args.use_tensorflow_adam)

@@ -43,8 +43,6 @@ import run_utils
 
 @dataclass
 class LabelHParams:
-    type: Literal["best_of_4"] = "best_of_4"
-    """label type: a query, 4 sampled responses and the index of the one the labeler liked best (OAI, all 4 tasks)"""
     num_train: Optional[int] = None
     """number of label records to train on (the first ones of the file); the rest, cut to whole batches, is the
     held-out test set (per task: sentiment/descriptiveness 4992, tldr/cnndm 46000)"""

@@ -158,22 +158,51 @@ def all_fields(config_class, prefix: str = "") -> list[str]:
     return names
 
 
-def source_outside_dataclasses(path: Path) -> str:
-    lines = path.read_text().splitlines()
-    for node in ast.parse("\n".join(lines)).body:
+def field_reads(source: str) -> tuple[set[tuple[str, str]], set[str]]:
+    """What code reads of a flags object: (owner, field) for every `...owner.field` attribute access (`args.seed`,
+    `self.args.track`, `args.task.query_length` and its alias `task.query_length` all end in owner.field), and the
+    string constants, which name fields read by name (`require_positive(args, "ppo.lr")`)."""
+    tree = ast.parse(source)
+    for node in tree.body:  # the dataclasses themselves declare the fields: no reads
         if isinstance(node, ast.ClassDef) and any("dataclass" in ast.unparse(d) for d in node.decorator_list):
-            for number in range(node.lineno - 1, node.end_lineno):
-                lines[number] = ""
-    return "\n".join(lines)
+            node.body = []
+    accesses = {
+        (ast.unparse(node.value).rsplit(".", 1)[-1], node.attr)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+    }
+    accesses |= {  # `f(**vars(args.rewards.adaptive_kl))` reads every field of adaptive_kl
+        (ast.unparse(node.value.args[0]).rsplit(".", 1)[-1], "*") for node in ast.walk(tree)
+        if isinstance(node, ast.keyword) and node.arg is None and isinstance(node.value, ast.Call)
+        and ast.unparse(node.value.func) == "vars"
+    }  # fmt: skip
+    strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    return accesses, strings
+
+
+def is_read(name: str, accesses: set[tuple[str, str]], strings: set[str]) -> bool:
+    owner, _, field = name.rpartition(".")
+    owner = owner.rsplit(".", 1)[-1] or "args"
+    return (owner, field) in accesses or (owner, "*") in accesses or name in strings
 
 
 @pytest.mark.parametrize("kind", SCRIPTS)
 def test_every_args_field_is_read(kind):
-    source = source_outside_dataclasses(SCRIPTS[kind]) + source_outside_dataclasses(REPO / "run_utils.py")
+    accesses, strings = field_reads(SCRIPTS[kind].read_text() + "\n" + (REPO / "run_utils.py").read_text())
     fields = all_fields(MODULES[kind].Args)
     assert "task.query_length" in fields and "checkpoint_every" in fields and len(fields) > 30
-    unread = [name for name in fields if not re.search(rf"\.{name.rsplit('.', 1)[-1]}\b", source)]
+    unread = [name for name in fields if not is_read(name, accesses, strings)]
     assert not unread, f"{SCRIPTS[kind].name}: Args fields never read outside the dataclasses: {unread}"
+
+
+def test_a_field_counts_as_read_only_where_its_owner_reads_it():
+    """The check above cannot be fooled by a name that happens to match: `device.type` is no read of `labels.type`."""
+    accesses, strings = field_reads(
+        "x = accelerator.device.type\nrequire_positive(args, 'ppo.lr')\ntask = args.task\ny = task.name"
+    )
+    assert not is_read("labels.type", accesses, strings)
+    assert is_read("ppo.lr", accesses, strings) and is_read("task.name", accesses, strings)
+    assert is_read("task", accesses, strings) and not is_read("seed", accesses, strings)
 
 
 # ---------------------------------------------------------------------------------------------------------------
