@@ -3,15 +3,8 @@
 # never by process name. Safe to call when nothing runs.
 set -uo pipefail
 
-# alive PID: exists and is not a zombie
-alive() { [ -r "/proc/$1/stat" ] && [ "$(awk '{print $3}' "/proc/$1/stat")" != Z ]; }
-# daemon_pid PIDFILE NAME: the PID in the file if that process is alive and really is NAME (guards against reuse)
-daemon_pid() {
-  local pid
-  [ -s "$1" ] || return 1
-  pid=$(cat "$1")
-  alive "$pid" && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$2" ] && echo "$pid"
-}
+# shellcheck source=daemons.sh
+source "$(dirname "$0")/daemons.sh"  # alive, daemon_pid
 
 # 1. jobs first: their slurmstepd processes would outlive slurmd
 if daemon_pid /run/slurmctld.pid slurmctld >/dev/null; then

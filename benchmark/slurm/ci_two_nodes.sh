@@ -41,15 +41,8 @@ subnet=10.77.0
 nodes=(node1 node2)
 conf=$dir/slurm.conf
 
-# alive PID: exists and is not a zombie (kill -0 succeeds on zombies, and PID 1 here reaps late)
-alive() { [ -r "/proc/$1/stat" ] && [ "$(awk '{print $3}' "/proc/$1/stat")" != Z ]; }
-# daemon_pid PIDFILE NAME: the PID in the file if that process is alive and really is NAME (guards against reuse)
-daemon_pid() {
-  local pid
-  [ -s "$1" ] || return 1
-  pid=$(cat "$1")
-  alive "$pid" && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$2" ] && echo "$pid"
-}
+# shellcheck source=daemons.sh
+source "$(dirname "$0")/daemons.sh"  # alive, daemon_pid
 # the namespace names, written by `start` before it creates them, so that `stop` finds them even after a failure
 netns_names() { if [ -s "$dir/netns" ]; then cat "$dir/netns"; fi; }
 ctl_netns() { head -n 1 "$dir/netns"; }
