@@ -876,12 +876,10 @@ def prepare_output_dir(output_dir: Path, args: argparse.Namespace, inputs: dict[
             raise SystemExit(f"quickstart: {output_dir} holds an unfinished quick start with other flags ({differ} "
                              "differ): the same flags continue it, --overwrite starts it again")  # fmt: skip
         return True
+    import run_utils
+
     for flag, value in inputs.items():  # nothing a run reads may be among what --overwrite removes
-        path = Path(value).resolve()
-        gone = next(
-            (output_dir / n for n in previous if path == output_dir / n or output_dir / n in path.parents), None
-        )
-        if gone is not None:
+        if (gone := run_utils.removed_container(value, [output_dir / name for name in previous])) is not None:
             raise SystemExit(f"quickstart: {flag} {value} is inside {gone}, which --overwrite removes: move it first "
                              "or use another --output-dir")  # fmt: skip
     for name in previous:

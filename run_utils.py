@@ -472,16 +472,19 @@ def prepare_output_dir(output_dir: str, finished_marker: str, overwrite: bool, r
     return path
 
 
+def removed_container(value: str, removed: list[Path]) -> Optional[Path]:
+    """The path of `removed` that holds (or is) the local path `value`, if any (quickstart.py uses it too)."""
+    path = Path(value).resolve()
+    return next((gone.resolve() for gone in removed if path == gone.resolve() or gone.resolve() in path.parents), None)
+
+
 def check_inputs_outside(args, removed: list[Path]) -> None:
     """No flag names a local input inside what --overwrite removes (the logs, the checkpoints, and at the end the
     result directory, replaced by the new one): refused before anything is removed."""
-    removed = [path.resolve() for path in removed]
     for key, value in flat_dict(asdict(args)).items():
         if key == "output_dir" or not isinstance(value, str) or not value or not Path(value).exists():
             continue
-        path = Path(value).resolve()
-        gone = next((g for g in removed if path == g or g in path.parents), None)
-        if gone is not None:
+        if (gone := removed_container(value, removed)) is not None:
             fail(f"--{key.replace('_', '-')} {value} is inside {gone}, which --overwrite replaces: move it first or "
                  "use another --output-dir")  # fmt: skip
 
@@ -771,9 +774,7 @@ class Run:
             fail(
                 f"--resume: {self.checkpoint} was written by an older version of the scripts; start again with --overwrite"
             )
-        if state["world_size"] != self.accelerator.num_processes:
-            fail(f"--resume: {self.checkpoint} was written by {state['world_size']} processes, this run has "
-                 f"{self.accelerator.num_processes}; resume with the same number")  # fmt: skip
+        self.check_same_processes(self.checkpoint, state["world_size"])
         self.accelerator.load_state(str(self.checkpoint))
         state["process"] = state.pop("processes")[self.accelerator.process_index]
         self.start_step, self.start_time = state["step"], time.time() - state["elapsed"]
@@ -815,6 +816,12 @@ class Run:
         self.close()
         raise SystemExit(128 + signum)
 
+    def check_same_processes(self, written: Path, world_size: int) -> None:
+        """Per-process RNG streams and data positions continue only on as many processes as wrote them."""
+        if world_size != self.accelerator.num_processes:
+            fail(f"--resume: {written} was written by {world_size} processes, this run has "
+                 f"{self.accelerator.num_processes}; resume with the same number")  # fmt: skip
+
     def load_partial(self, name: str) -> Optional[dict]:
         """On --resume, this process's part of a stopped attempt's work (`stop_keeping_partial`), its RNG states
         restored; None when there is none."""
@@ -822,9 +829,7 @@ class Run:
         if not (self.args.resume and path.is_file()):
             return None
         state = torch.load(path, weights_only=False)
-        if state["world_size"] != self.accelerator.num_processes:
-            fail(f"--resume: {path.parent} was written by {state['world_size']} processes, this run has "
-                 f"{self.accelerator.num_processes}; resume with the same number")  # fmt: skip
+        self.check_same_processes(path.parent, state["world_size"])
         torch.set_rng_state(state["rng"])
         if state["cuda_rng"] is not None:
             torch.cuda.set_rng_state_all(state["cuda_rng"])
