@@ -971,21 +971,3 @@ def parameter_spread(accelerator, model) -> float:
     checksum = sum(p.detach().double().sum() + p.detach().double().square().sum() for p in model.parameters())
     checksums = accelerator.gather(checksum.reshape(1))
     return (checksums.max() - checksums.min()).item()
-
-
-@contextmanager
-def recorded_lm_head(lm, enabled: bool = True):
-    """For --logprobs-from-generation: record the LM head's input (final hidden state) and output (logits) at the last
-    position of every forward while in the block; inside generate() one entry per sampled token, entry t being the
-    hidden state and logits that predicted token t. Yields a list of ((B, d), (B, V)) pairs (empty if not enabled)."""
-    steps = []
-
-    def record(module, inputs, output):
-        steps.append((inputs[0][:, -1].clone(), output[:, -1].clone()))  # clone: don't keep a prefill's (B, C, V)
-
-    handle = lm.get_output_embeddings().register_forward_hook(record) if enabled else None
-    try:
-        yield steps
-    finally:
-        if handle is not None:
-            handle.remove()

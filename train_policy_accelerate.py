@@ -20,6 +20,7 @@ samples.jsonl, TensorBoard events, policy/ (a Hugging Face causal LM directory w
 --task.gold-labeler, eval_samples.jsonl.
 """
 
+import inspect
 import itertools
 import json
 import math
@@ -37,7 +38,7 @@ import tyro
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
 
 import run_utils
 
@@ -164,9 +165,9 @@ class Args(run_utils.RunArgs):
     """torch.compile the policy's training forward (PPO epochs); the first update pays the compilation (tens of
     seconds on a CPU), later ones run the compiled kernels; same math to float rounding"""
     logprobs_from_generation: bool = False
-    """take the policy's rollout log-probs and values from generate()'s own forwards (the LM head's inputs and outputs
-    at each step) instead of one more policy forward over query ⊕ response: saves that forward; the KV-cached
-    forwards agree with the full one to float rounding, so PPO's first ratios are 1 ± ~1e-6 instead of exactly 1"""
+    """keep the log-probs and values of the sampling forwards (KV-cached, one token at a time) as the rollout's, as
+    OAI's policy.respond did, instead of one more policy forward over query ⊕ response (the blog's code): saves that
+    forward; both agree to float rounding, so PPO's first ratios are 1 ± ~1e-6 instead of exactly 1"""
     print_sample_output_freq: int = 10
     """print (and save to samples.jsonl) a table of sample responses every this many updates"""
     eval_every: int = 10
@@ -269,13 +270,6 @@ def load_pretrained(model_class, name_or_path: str, flag: str) -> nn.Module:
     return model
 
 
-def use_plain_sampling(lm: nn.Module) -> None:
-    """Sampling from softmax(logits / T) alone, never stopped at EOS: generate() fills every field we don't set from
-    the model's own generation_config (its eos_token_id, but also a repetition_penalty or no_repeat_ngram_size would
-    reshape the distribution while the log-probs are computed from logits / T); a fresh, empty one keeps nothing."""
-    lm.generation_config = GenerationConfig()
-
-
 def right_padding_to_left_padding(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
     """Move every pad of each row to the left, keeping the real tokens in order (also pads in the middle): the last
     column is then always a real token. Vectorised: a stable sort on the pad mask puts pads (key 0) before the rest."""
@@ -295,21 +289,30 @@ def padded_forward(backbone: nn.Module, tokens: torch.Tensor, pad_id: int) -> to
     return output.last_hidden_state
 
 
-def generate_responses(lm: nn.Module, queries: torch.Tensor, pad_id: int, response_length: int, temperature: float):
-    """Sample `response_length` tokens per left-padded query: (B, T). Position ids are not passed: generate() derives
-    them from the attention mask (passing them broke sampling)."""
-    # detail: fixed-length responses — exactly response_length tokens, no top-k / top-p, never stopped at EOS (see
-    # use_plain_sampling; OAI language/sample.py sample_from_logits)
-    attention_mask = queries != pad_id
-    config = GenerationConfig(
-        max_new_tokens=response_length, do_sample=True, top_k=0, top_p=1.0, temperature=temperature
-    )
-    output = lm.generate(
-        input_ids=torch.where(attention_mask, queries, 0), attention_mask=attention_mask, generation_config=config
-    )
-    responses = output[:, queries.shape[1] :]
-    assert responses.shape[1] == response_length, f"generated {responses.shape[1]} tokens, not {response_length}"
-    return responses
+@torch.no_grad()
+def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, response_length: int, temperature: float):
+    """Sample `response_length` tokens after each left-padded context, one at a time with the KV cache, as OAI's
+    language/sample.py sample_sequence: responses, the log-prob of each sampled token and the final hidden state
+    that predicted it (what a value head reads): (B, T), (B, T), (B, T, d)."""
+    # detail: fixed-length responses — exactly response_length tokens drawn from softmax(logits / temperature): no
+    # top-k, no top-p, never stopped at EOS (OAI language/sample.py sample_sequence)
+    attention_mask = contexts != pad_id
+    position_ids = attention_mask.cumsum(1) - attention_mask.long()  # as padded_forward: pads don't count
+    input_ids, steps = torch.where(attention_mask, contexts, 0), []
+    # the keys and values of every position so far, filled in place by each forward (newer transformers name the
+    # argument `cache`, older ones `past_key_values`)
+    parameters = inspect.signature(lm.base_model.forward).parameters
+    cache = {"cache" if "cache" in parameters else "past_key_values": DynamicCache()}
+    for _ in range(response_length):
+        output = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **cache)
+        hidden = output.last_hidden_state[:, -1]  # (B, d): the newest position
+        logits = lm.get_output_embeddings()(hidden).float() / temperature  # (B, V)
+        token = torch.multinomial(F.softmax(logits, dim=-1), 1)  # (B, 1)
+        steps.append((token, F.log_softmax(logits, dim=-1).gather(1, token), hidden))
+        input_ids, position_ids = token, position_ids[:, -1:] + 1
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
+    tokens, logprobs, hiddens = zip(*steps, strict=True)
+    return torch.cat(tokens, 1), torch.cat(logprobs, 1), torch.stack(hiddens, 1)
 
 
 def truncate_responses(responses: torch.Tensor, truncate_token_id: int, truncate_after: int, pad_id: int):
@@ -650,13 +653,11 @@ class PolicyAndValueWrapper(nn.Module):
 
 
 def response_logits(lm: nn.Module, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The LM head applied to hidden / temperature: equals logits / temperature, but divides a (B, T, d) tensor
-    instead of a (B, T, V) one; only the response positions get vocabulary logits."""
+    """The LM head's logits at the response positions only, divided by the sampling temperature: (B, T, V)."""
     # detail: logits scaled by the sampling temperature — for the log-probs too (OAI policy.py analyze_responses_op;
     # without it the KL grows too fast)
-    head = lm.get_output_embeddings()
-    bias = None if head.bias is None else head.bias / temperature
-    return F.linear(hidden / temperature, head.weight, bias)
+    logits = lm.get_output_embeddings()(hidden)
+    return logits / temperature
 
 
 def lm_logits(lm: nn.Module, query_responses: torch.Tensor, context_length: int, pad_id: int, temperature: float):
@@ -681,20 +682,17 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, with_entrop
 def rollout(policy: PolicyAndValueWrapper, ref_lm, contexts, pad_id: int, args: Args, timer=lambda phase: None):
     """Sample a response to every context (prefix ⊕ query ⊕ suffix) and what PPO needs of it, in chunks of
     --local-rollout-forward-batch-size rows: responses, policy log-probs, reference log-probs, values, (B, T) each."""
-    temperature, outputs = args.task.temperature, []
+    length, temperature, outputs = args.task.response_length, args.task.temperature, []
     for context in contexts.split(args.local_rollout_forward_batch_size):
-        with run_utils.recorded_lm_head(policy.lm, enabled=args.logprobs_from_generation) as steps:
-            response = generate_responses(policy.lm, context, pad_id, args.task.response_length, temperature)
+        response, logprobs, hidden = sample_responses(policy.lm, context, pad_id, length, temperature)
+        value = policy.value_head(hidden).squeeze(-1)  # the log-probs and values of the sampling forwards, as OAI's
         timer("time/generation")
         query_response = torch.cat([context, response], 1)  # (b, C' + T)
-        if steps:  # --logprobs-from-generation: the LM head's inputs and outputs at each step of generate()
-            hidden, logits = (torch.stack([step[i] for step in steps], 1) for i in (0, 1))  # (b, T, d), (b, T, V)
-            logits, value = logits.float() / temperature, policy.value_head(hidden).squeeze(-1)
-        else:
+        if not args.logprobs_from_generation:  # one more forward over query ⊕ response: the first PPO ratios are 1
             logits, value = policy(query_response, context.shape[1], pad_id, temperature)
+            logprobs = logprobs_from_logits(logits, response)
         ref_logits = lm_logits(ref_lm, query_response, context.shape[1], pad_id, temperature)
-        logprobs, ref_logprobs = logprobs_from_logits(logits, response), logprobs_from_logits(ref_logits, response)
-        outputs.append([response, logprobs, ref_logprobs, value.float()])  # values in fp32 also under bf16 autocast
+        outputs.append([response, logprobs, logprobs_from_logits(ref_logits, response), value.float()])
         timer("time/logprobs")
     return [torch.cat(tensors) for tensors in zip(*outputs, strict=True)]
 
@@ -800,7 +798,54 @@ def share_moments(returns: torch.Tensor, values: torch.Tensor) -> dict:
     return stats
 
 
-def timing_stats(run, lm_and_value, query_responses, responses, timer, update, update_start, args: Args) -> dict:
+def update_stats(accelerator, run, update: int, stats: dict, rollout: tuple, kl_coef: float, lr: float, args) -> dict:
+    """The update's metrics (OAI record_step_stats), each averaged over all micro-batches and processes in one
+    collective; stops the run, saying where, if a loss is not finite. rollout: (kl, scores, non_score_reward,
+    logprobs)."""
+    kl, scores, non_score_reward, logprobs = rollout
+    rollout_stats = {
+        "objective/kl": kl.sum(1).mean(),
+        "objective/entropy": (-logprobs).sum(1).mean(),
+        "objective/non_score_reward": non_score_reward.sum(1).mean(),
+        "objective/scores": scores.mean(),
+        "objective/score_total": (scores + non_score_reward.sum(1)).mean(),
+    }
+    ppo_stats = {key: torch.stack(items).mean() for key, items in stats.items()}
+    row = run_utils.reduce_metrics(accelerator, {**rollout_stats, **ppo_stats}, {"sync/kl_coef_spread": kl_coef})
+    ppo = args.ppo
+    loop = {"PPO epoch": ppo.noptepochs, "minibatch": ppo.nminibatches, "micro-batch": ppo.gradient_accumulation_steps}
+    where = run_utils.first_non_finite(torch.stack(stats["ppo/loss/total"]), loop, accelerator.process_index)
+    run.stop_if_not_finite(row, update, where)
+    row["objective/kl_coef"], row["ppo/lr"], row["ppo/episode"] = kl_coef, lr, update * ppo.batch_size
+    row["ppo/val/var_explained"] = 1 - row["ppo/val/error"] / max(row["ppo/returns/var"], 1e-8)
+    return row
+
+
+def log_update(run, accelerator, policy, tokenizer, update: int, row: dict, samples: tuple, args) -> None:
+    """One metrics row (metrics.jsonl, TensorBoard, wandb); every --print-sample-output-freq updates (and the first
+    and last) a table of samples and a progress line. samples: (queries, post-processed responses, scores, kl,
+    non_score_reward)."""
+    if update % args.print_sample_output_freq == 0 or update == 1 or update == args.num_updates:
+        queries, responses, scores, kl, non_score_reward = (x[:SAMPLE_ROWS] for x in samples)
+        table = {
+            "query": decode(tokenizer, queries),
+            "response": decode(tokenizer, responses),
+            "score": scores.tolist(),
+            "kl": kl.sum(1).tolist(),
+            "total_reward": (scores + non_score_reward.sum(1)).tolist(),
+        }
+        run.samples("samples.jsonl", update, table)  # a table on the console, TensorBoard, wandb; samples.jsonl
+        run.print(
+            f"update {update}/{args.num_updates}: score {row['objective/scores']:.3f} kl {row['objective/kl']:.3f} "
+            f"kl_coef {row['objective/kl_coef']:.4f} approxkl {row['ppo/policy/approxkl']:.4f} "
+            f"{row['elapsed/fps']:.0f} tokens/s"
+        )
+    if update == args.num_updates:
+        row["sync/param_spread"] = run_utils.parameter_spread(accelerator, policy)  # 0: the processes agree
+    run.log({"update": update, "episode": update * args.ppo.batch_size, **row}, update)
+
+
+def timing_stats(run, lm_and_value, timer, update_start: float, contexts, update: int, args: Args) -> dict:
     """elapsed/* (OAI's fps: response tokens per second of this update), the time/* phases, peak memory and, with
     --peak-tflops, MFU (per process: the PPO epochs are 3 forwards' worth each, the rollout ~4 forwards)."""
     ppo, now = args.ppo, time.perf_counter()
@@ -809,10 +854,11 @@ def timing_stats(run, lm_and_value, query_responses, responses, timer, update, u
         "elapsed/fps": ppo.batch_size * args.task.response_length / (now - update_start),
         "elapsed/fps_average": update * ppo.batch_size * args.task.response_length / run.elapsed(),
         **timer.times,
-        "time/peak_memory_gb": run_utils.peak_memory_gb(query_responses.device),
+        "time/peak_memory_gb": run_utils.peak_memory_gb(timer.device),
     }
-    if args.peak_tflops:
-        forward = run_utils.forward_flops(lm_and_value.lm, query_responses.numel(), responses.numel())
+    if args.peak_tflops:  # this process's tokens: contexts ⊕ responses, and the responses that reach the LM head
+        responses = contexts.shape[0] * args.task.response_length
+        forward = run_utils.forward_flops(lm_and_value.lm, contexts.numel() + responses, responses)
         rollout_forwards = 3 if args.logprobs_from_generation else 4  # generation, policy, reference, scoring
         train = ppo.noptepochs * 3 * forward
         stats["time/mfu_ppo_epochs"] = run_utils.mfu(train, timer.times["time/ppo_epochs"], args.peak_tflops)
@@ -899,12 +945,10 @@ def main(args: Args) -> None:
         return
     run_utils.setup_device(accelerator, args.allow_tf32)
     device = accelerator.device
-    torch.manual_seed(args.seed)
     policy = PolicyAndValueWrapper(load_pretrained(AutoModelForCausalLM, args.base_model, "--base-model"))
     ref_lm = load_pretrained(AutoModelForCausalLM, args.base_model, "--base-model").to(device).eval()
     ref_lm.requires_grad_(False)
     reward_model = load_reward_model(args.rewards.trained_model).to(device).eval().requires_grad_(False)
-    use_plain_sampling(policy.lm)  # the only model that samples (the reference model only scores)
     if args.gradient_checkpointing:
         run_utils.enable_gradient_checkpointing(policy.lm)
     optimizer = make_optimizer(policy.parameters(), ppo.lr, ppo.eps, args.use_tensorflow_adam)
@@ -957,19 +1001,19 @@ def main(args: Args) -> None:
         # 3. per-token KL rewards, the score added on the last token
         kl, non_score_reward, rewards = compute_rewards(scores, logprobs, ref_logprobs, kl_coef)  # (B, T) each
         query_responses = torch.cat([contexts, responses], 1)  # (B, C' + T)
-        # 6. PPO epochs
+        # 4. PPO epochs; in each minibatch: whiten the rewards, GAE, whiten the advantages, clipped losses, one step
         # detail: batches and minibatches — a fresh shuffle every epoch, one optimizer step per minibatch, its
         # micro-batches only accumulate gradients (OAI train_policy.py PPOTrainer.train)
         stats = {}
         policy.train()  # dropout is 0 everywhere; train mode only lets --gradient-checkpointing recompute
         for _ in range(ppo.noptepochs):
             for mini_ids in minibatches(args.local_batch_size, args.local_whitening_ranks, ppo.nminibatches, device):
-                # 4. whiten rewards and 5. GAE, over each share of the minibatch like OAI's ranks
+                # (G, rows) row ids: whitening and GAE per share of the minibatch, as each of OAI's ranks did
                 advantages, returns = compute_advantages(rewards[mini_ids], values[mini_ids], ppo)  # (G, rows, T)
                 append_stats(stats, share_moments(returns, values[mini_ids]))
                 mini_ids, advantages, returns = mini_ids.flatten(), advantages.flatten(0, 1), returns.flatten(0, 1)
                 for micro in torch.arange(len(mini_ids), device=device).split(args.micro_batch_size):  # accumulation
-                    ids = mini_ids[micro]
+                    ids = mini_ids[micro]  # rows of the batch; `micro` indexes the minibatch's advantages and returns
                     with accelerator.accumulate(policy):
                         logits, vpred = train_forward(query_responses[ids], contexts.shape[1], pad_id, task.temperature)
                         new_logprobs, entropy = logprobs_from_logits(logits, responses[ids], with_entropy=True)
@@ -981,47 +1025,16 @@ def main(args: Args) -> None:
                     append_stats(stats, {**micro_stats, "ppo/policy/entropy": entropy.mean()})
         policy.eval()
         timer("time/ppo_epochs")
-        # 7. log: every metric averaged over all micro-batches and processes, in one collective
-        sequence_kl, total_rewards = kl.sum(1), scores + non_score_reward.sum(1)  # (B,) each
-        rollout_stats = {
-            "objective/kl": sequence_kl.mean(),
-            "objective/entropy": (-logprobs).sum(1).mean(),
-            "objective/non_score_reward": non_score_reward.sum(1).mean(),
-            "objective/scores": scores.mean(),
-            "objective/score_total": total_rewards.mean(),
-        }
-        ppo_stats = {key: torch.stack(items).mean() for key, items in stats.items()}
-        row = run_utils.reduce_metrics(accelerator, {**rollout_stats, **ppo_stats}, {"sync/kl_coef_spread": kl_coef})
-        loop = {
-            "PPO epoch": ppo.noptepochs,
-            "minibatch": ppo.nminibatches,
-            "micro-batch": ppo.gradient_accumulation_steps,
-        }
-        run.stop_if_not_finite(
-            row, update, run_utils.first_non_finite(torch.stack(stats["ppo/loss/total"]), loop, rank)
-        )
+        # 5. statistics: every metric averaged over all micro-batches and processes in one collective; the timing
+        row = update_stats(accelerator, run, update, stats, (kl, scores, non_score_reward, logprobs), kl_coef, lr, args)
+        row.update(timing_stats(run, unwrapped, timer, update_start, contexts, update, args))
+        # 6. adaptive KL: kl_coef moves towards the KL target, from this update's KL averaged over all processes
         kl_ctl.update(row["objective/kl"], ppo.batch_size)
-        row["objective/kl_coef"], row["ppo/lr"], row["ppo/episode"] = kl_coef, lr, update * ppo.batch_size
-        row["ppo/val/var_explained"] = 1 - row["ppo/val/error"] / max(row["ppo/returns/var"], 1e-8)
-        row.update(timing_stats(run, unwrapped, query_responses, responses, timer, update, update_start, args))
+        # 7. log: the metrics, every --eval-every updates the gold evaluation, every few updates a sample table
         if task.gold_labeler is not None and (update % args.eval_every == 0 or update == args.num_updates):
             row.update(last_eval := gold_evaluation(update))
-        if update % args.print_sample_output_freq == 0 or update == 1 or update == args.num_updates:
-            samples = {
-                "query": decode(tokenizer, queries[:SAMPLE_ROWS]),
-                "response": decode(tokenizer, postprocessed_responses[:SAMPLE_ROWS]),
-                "score": scores[:SAMPLE_ROWS].tolist(),
-                "kl": sequence_kl[:SAMPLE_ROWS].tolist(),
-                "total_reward": total_rewards[:SAMPLE_ROWS].tolist(),
-            }
-            run.samples("samples.jsonl", update, samples)  # a table on the console, TensorBoard, wandb; samples.jsonl
-            run.print(
-                f"update {update}/{args.num_updates}: score {row['objective/scores']:.3f} kl {row['objective/kl']:.3f} "
-                f"kl_coef {kl_coef:.4f} approxkl {row['ppo/policy/approxkl']:.4f} {row['elapsed/fps']:.0f} tokens/s"
-            )
-        if update == args.num_updates:
-            row["sync/param_spread"] = run_utils.parameter_spread(accelerator, policy)  # 0: the processes agree
-        run.log({"update": update, "episode": update * ppo.batch_size, **row}, update)
+        samples = (queries, postprocessed_responses, scores, kl, non_score_reward)
+        log_update(run, accelerator, policy, tokenizer, update, row, samples, args)
         # 8. checkpoint: every --checkpoint-every updates, and on SIGTERM / Ctrl-C, after which the run stops
         run_state = {"kl_coef": kl_ctl.value, "initial_eval": initial_eval, "last_eval": last_eval}
         run.checkpoint_if_due(update, run_state, {"stream": stream.state()})

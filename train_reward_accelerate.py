@@ -18,6 +18,7 @@ Outputs in --output-dir: args.json, metrics.jsonl, TensorBoard events, reward_mo
 train_policy_accelerate.py via --rewards.trained-model) and labels.json when the labels are simulated.
 """
 
+import inspect
 import itertools
 import json
 import math
@@ -36,7 +37,7 @@ import tyro
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import run_utils
 
@@ -230,13 +231,6 @@ def load_pretrained(model_class, name_or_path: str, flag: str) -> nn.Module:
     return model
 
 
-def use_plain_sampling(lm: nn.Module) -> None:
-    """Sampling from softmax(logits / T) alone, never stopped at EOS: generate() fills every field we don't set from
-    the model's own generation_config (its eos_token_id, but also a repetition_penalty or no_repeat_ngram_size would
-    reshape the distribution while the log-probs are computed from logits / T); a fresh, empty one keeps nothing."""
-    lm.generation_config = GenerationConfig()
-
-
 def right_padding_to_left_padding(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
     """Move every pad of each row to the left, keeping the real tokens in order (also pads in the middle): the last
     column is then always a real token. Vectorised: a stable sort on the pad mask puts pads (key 0) before the rest."""
@@ -256,21 +250,30 @@ def padded_forward(backbone: nn.Module, tokens: torch.Tensor, pad_id: int) -> to
     return output.last_hidden_state
 
 
-def generate_responses(lm: nn.Module, queries: torch.Tensor, pad_id: int, response_length: int, temperature: float):
-    """Sample `response_length` tokens per left-padded query: (B, T). Position ids are not passed: generate() derives
-    them from the attention mask (passing them broke sampling)."""
-    # detail: fixed-length responses — exactly response_length tokens, no top-k / top-p, never stopped at EOS (see
-    # use_plain_sampling; OAI language/sample.py sample_from_logits)
-    attention_mask = queries != pad_id
-    config = GenerationConfig(
-        max_new_tokens=response_length, do_sample=True, top_k=0, top_p=1.0, temperature=temperature
-    )
-    output = lm.generate(
-        input_ids=torch.where(attention_mask, queries, 0), attention_mask=attention_mask, generation_config=config
-    )
-    responses = output[:, queries.shape[1] :]
-    assert responses.shape[1] == response_length, f"generated {responses.shape[1]} tokens, not {response_length}"
-    return responses
+@torch.no_grad()
+def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, response_length: int, temperature: float):
+    """Sample `response_length` tokens after each left-padded context, one at a time with the KV cache, as OAI's
+    language/sample.py sample_sequence: responses, the log-prob of each sampled token and the final hidden state
+    that predicted it (what a value head reads): (B, T), (B, T), (B, T, d)."""
+    # detail: fixed-length responses — exactly response_length tokens drawn from softmax(logits / temperature): no
+    # top-k, no top-p, never stopped at EOS (OAI language/sample.py sample_sequence)
+    attention_mask = contexts != pad_id
+    position_ids = attention_mask.cumsum(1) - attention_mask.long()  # as padded_forward: pads don't count
+    input_ids, steps = torch.where(attention_mask, contexts, 0), []
+    # the keys and values of every position so far, filled in place by each forward (newer transformers name the
+    # argument `cache`, older ones `past_key_values`)
+    parameters = inspect.signature(lm.base_model.forward).parameters
+    cache = {"cache" if "cache" in parameters else "past_key_values": DynamicCache()}
+    for _ in range(response_length):
+        output = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **cache)
+        hidden = output.last_hidden_state[:, -1]  # (B, d): the newest position
+        logits = lm.get_output_embeddings()(hidden).float() / temperature  # (B, V)
+        token = torch.multinomial(F.softmax(logits, dim=-1), 1)  # (B, 1)
+        steps.append((token, F.log_softmax(logits, dim=-1).gather(1, token), hidden))
+        input_ids, position_ids = token, position_ids[:, -1:] + 1
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
+    tokens, logprobs, hiddens = zip(*steps, strict=True)
+    return torch.cat(tokens, 1), torch.cat(logprobs, 1), torch.stack(hiddens, 1)
 
 
 def truncate_responses(responses: torch.Tensor, truncate_token_id: int, truncate_after: int, pad_id: int):
@@ -585,7 +588,7 @@ def sample_and_score(ref_lm, reward_model, queries: QueryStream, n: int, args: A
     chunk = args.local_rollout_forward_batch_size
     for start in range(0, n, chunk):
         query = queries.next_batch(min(chunk, n - start)).to(ref_lm.device)  # (b, C)
-        response = generate_responses(
+        response, _, _ = sample_responses(
             ref_lm, queries.format(query), reward_model.pad_id, args.task.response_length, args.task.temperature
         )
         all_scores.append(reward_model(torch.cat([query, response], 1)))
@@ -646,7 +649,7 @@ def simulate_labels(run, ref_lm, queries: QueryStream, tokenizer, truncate_token
             run.stop_keeping_partial("labels", signum, {"records": records, "next": start, "stream": queries.state()})
         query = queries.next_batch(min(chunk, local - start)).to(ref_lm.device)  # (b, C): bare, as in OAI's files
         contexts = queries.format(query).repeat_interleave(NUM_SAMPLES, 0)  # (4b, prefix + C + suffix)
-        response = generate_responses(ref_lm, contexts, pad_id, args.task.response_length, args.task.temperature)
+        response, _, _ = sample_responses(ref_lm, contexts, pad_id, args.task.response_length, args.task.temperature)
         response, _ = truncate_responses(response, truncate_token_id, args.task.truncate_after, pad_id)
         scores = simulated_labeler_scores(args.labels.source, decode(tokenizer, response))
         for i in range(query.shape[0]):
@@ -717,7 +720,6 @@ def main(args: Args) -> None:
         run_utils.enable_gradient_checkpointing(reward_model.backbone)
     ref_lm = load_pretrained(AutoModelForCausalLM, args.base_model, "--base-model").to(accelerator.device).eval()
     ref_lm.requires_grad_(False)
-    use_plain_sampling(ref_lm)
     # detail: different seeds for different processes — seed + rank * 100003 (OAI utils/core.py set_mpi_seed)
     torch.manual_seed(args.seed + accelerator.process_index * RANK_SEED_STRIDE)
     query_stream = QueryStream(

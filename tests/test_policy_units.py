@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from conftest import REPO
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -320,47 +321,66 @@ def test_validate_args_truncate_after_must_be_inside_the_response(monkeypatch):
 # generation
 
 
-def test_generation_returns_exactly_t_tokens_even_when_eos_dominates():
+def test_sampling_returns_exactly_t_tokens_even_when_eos_dominates():
     lm = dominated_lm(EOS)
-    P.use_plain_sampling(lm)
-    assert lm.generation_config.eos_token_id is None and lm.generation_config.pad_token_id is None
     queries = torch.tensor([[PAD, PAD, 15496, 995], [15496, 995, 11, 339]])  # left-padded, pad id out of vocab
-    responses = P.generate_responses(lm, queries, PAD, 6, 0.7)
-    assert responses.shape == (2, 6)
+    responses, logprobs, hidden = P.sample_responses(lm, queries, PAD, 6, 0.7)
+    assert responses.shape == logprobs.shape == (2, 6) and hidden.shape == (2, 6, lm.config.n_embd)
     assert responses.eq(EOS).all()  # the policy is free to emit EOS, and sampling goes on after it
+    with pytest.raises(AssertionError):  # guard: stock generate() with the model's own settings stops at EOS
+        lm.generation_config.eos_token_id = EOS
+        assert lm.generate(queries[1:], max_new_tokens=6, do_sample=True).shape[1] == 4 + 6
 
 
-def test_generation_with_the_model_generation_config_stops_at_eos():
-    """Guard that the test above can fail: with the backbone's eos id left in place, HF stops at the first EOS."""
-    lm = dominated_lm(EOS)
-    queries = torch.tensor([[15496, 995, 11, 339]])
-    with pytest.raises(AssertionError, match="generated 1 tokens, not 6"):
-        P.generate_responses(lm, queries, PAD, 6, 0.7)
+def generate_with_library(lm, contexts: torch.Tensor, pad_id: int, length: int, temperature: float):
+    """HF generate() set up to sample from softmax(logits / T) alone: what the sampling loop must equal."""
+    from transformers import GenerationConfig
+
+    lm.generation_config = GenerationConfig()  # nothing of the model's own settings (eos, repetition penalty, ...)
+    config = GenerationConfig(max_new_tokens=length, do_sample=True, top_k=0, top_p=1.0, temperature=temperature)
+    mask = contexts != pad_id
+    output = lm.generate(input_ids=torch.where(mask, contexts, 0), attention_mask=mask, generation_config=config)
+    return output[:, contexts.shape[1] :]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_sampling_loop_draws_the_tokens_generate_draws_and_their_log_probs(kind):
+    """The plain loop (KV cache, logits / T, one multinomial draw per step) draws exactly what HF generate() draws
+    from the same RNG state, on left-padded contexts; its log-probs and hidden states are those of one full forward
+    over context ⊕ response (to float rounding), and other seeds give other responses."""
+    lm = make_lm(kind)
+    pad_id = lm.config.vocab_size
+    contexts = torch.randint(0, 1000, (6, 7), generator=torch.Generator().manual_seed(0))
+    contexts[1, :3], contexts[4, :6] = pad_id, pad_id
+    torch.manual_seed(5)
+    responses, logprobs, hidden = P.sample_responses(lm, contexts, pad_id, 8, 0.7)
+    torch.manual_seed(5)
+    assert torch.equal(responses, generate_with_library(lm, contexts, pad_id, 8, 0.7))
+    torch.manual_seed(6)
+    assert not torch.equal(responses, P.sample_responses(lm, contexts, pad_id, 8, 0.7)[0])
+    query_responses = torch.cat([contexts, responses], 1)
+    with torch.no_grad():
+        full_hidden = P.padded_forward(lm.base_model, query_responses, pad_id)[:, contexts.shape[1] - 1 : -1]
+        full_logprobs = P.logprobs_from_logits(P.lm_logits(lm, query_responses, 7, pad_id, 0.7), responses)
+    torch.testing.assert_close(hidden, full_hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logprobs, full_logprobs, atol=1e-5, rtol=1e-5)
 
 
 def test_sampling_is_softmax_of_logits_over_temperature_whatever_the_model_config_says():
-    """A model whose generation_config sets a repetition penalty and bans repeated tokens: after use_plain_sampling
-    the scores generate() samples from equal the raw logits / T at every step, and nothing is banned (-inf)."""
-    from transformers import GenerationConfig
-
-    def sampling_scores(lm, queries):
-        config = GenerationConfig(max_new_tokens=6, do_sample=True, top_k=0, top_p=1.0, temperature=0.7,
-                                  output_scores=True, return_dict_in_generate=True)  # fmt: skip
-        output = lm.generate(input_ids=queries, attention_mask=torch.ones_like(queries), generation_config=config)
-        with torch.no_grad():
-            raw = lm(output.sequences).logits[:, queries.shape[1] - 1 : -1] / 0.7  # the logits of each sampled step
-        return torch.stack(output.scores, 1), raw
-
+    """A model whose generation_config sets a repetition penalty and bans repeated tokens (stock generate() samples
+    from other scores then): the loop's draws follow softmax(logits / T) of the full forward. Checked as frequencies:
+    2,000 draws of the first token of one context against the exact probabilities."""
     torch.manual_seed(0)
-    lm = GPT2LMHeadModel(tiny_gpt2_config(vocab_size=64)).eval()
-    lm.generation_config.repetition_penalty, lm.generation_config.no_repeat_ngram_size = 1.1, 1
-    queries = torch.tensor([[5, 6, 5, 7], [8, 8, 9, 10]])
-    scores, raw = sampling_scores(lm, queries)
-    assert (scores - raw).abs().max() > 1e-3 and torch.isinf(scores).any()  # the model's settings leak in
-    P.use_plain_sampling(lm)
-    scores, raw = sampling_scores(lm, queries)
-    torch.testing.assert_close(scores, raw, atol=1e-5, rtol=1e-5)
-    assert torch.isfinite(scores).all()
+    lm = GPT2LMHeadModel(tiny_gpt2_config(vocab_size=8)).eval()
+    lm.generation_config.repetition_penalty, lm.generation_config.no_repeat_ngram_size = 5.0, 1
+    contexts = torch.tensor([[5, 6, 5, 7]]).repeat(2000, 1)
+    torch.manual_seed(1)
+    responses, _, _ = P.sample_responses(lm, contexts, PAD, 1, 0.7)
+    with torch.no_grad():
+        probabilities = F.softmax(lm(contexts[:1]).logits[0, -1] / 0.7, dim=-1)  # (V,)
+    frequencies = torch.bincount(responses[:, 0], minlength=8).float() / 2000
+    assert (frequencies - probabilities).abs().max() < 0.04  # 3.5 sigma of a binomial at p = 0.5, n = 2000
+    assert frequencies[[5, 6, 7]].sum() > 0.05  # tokens of the context are drawn: nothing is banned or penalised
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -433,11 +453,10 @@ def test_logprobs_and_entropy_by_hand():
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_logprobs_from_generation_match_the_recomputed_ones_and_skip_the_policy_forward(kind, monkeypatch):
-    """--logprobs-from-generation: the LM head's inputs/outputs recorded inside generate() give the same log-probs
-    and values as the rollout's extra policy forward over query ⊕ response (to fp32 rounding), and that forward is
-    not run. Left-padded contexts, 2 rollout chunks, a value head with non-zero weights."""
+    """--logprobs-from-generation: the log-probs and values of the sampling forwards equal those of the rollout's
+    extra policy forward over query ⊕ response (to fp32 rounding), and that forward is not run. Left-padded
+    contexts, 2 rollout chunks, a value head with non-zero weights."""
     lm = make_lm(kind)
-    P.use_plain_sampling(lm)
     pad_id = lm.config.vocab_size
     policy, ref_lm = P.PolicyAndValueWrapper(lm), make_lm(kind)
     torch.manual_seed(1)
@@ -458,7 +477,7 @@ def test_logprobs_from_generation_match_the_recomputed_ones_and_skip_the_policy_
         results[from_generation] = dict(zip(names, P.rollout(policy, ref_lm, contexts, pad_id, args), strict=True))
     assert len(policy_calls) == 2  # the two chunks of the recomputing rollout, none with the flag
     off, on = results[False], results[True]
-    assert torch.equal(off["responses"], on["responses"])  # sampling untouched by the recording
+    assert torch.equal(off["responses"], on["responses"])  # the same draws
     assert off["logprobs"].abs().min() > 0.1 and off["values"].abs().max() > 0.1  # numbers worth comparing
     torch.testing.assert_close(on["logprobs"], off["logprobs"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(on["values"], off["values"], atol=1e-5, rtol=1e-5)
@@ -557,10 +576,10 @@ def test_share_moments_are_openais_per_rank_statistics_averaged():
 
 def test_elapsed_fps_is_the_current_updates_like_openai_and_the_average_is_kept_apart(monkeypatch):
     args = P.validate_args(policy_args(batch_size=64))
-    timer = types.SimpleNamespace(times={"time/generation": 1.0})
+    timer = types.SimpleNamespace(times={"time/generation": 1.0}, device=torch.device("cpu"))
     run = types.SimpleNamespace(elapsed=lambda: 100.0)
     monkeypatch.setattr(P.time, "perf_counter", lambda: 12.0)
-    stats = P.timing_stats(run, None, torch.zeros(64, 88), torch.zeros(64, 24), timer, 5, 10.0, args)
+    stats = P.timing_stats(run, None, timer, 10.0, torch.zeros(64, 64), 5, args)
     assert stats["elapsed/fps"] == 64 * 24 / 2.0  # this update took 2 s (OAI train_policy.py: per update)
     assert stats["elapsed/fps_average"] == 5 * 64 * 24 / 100.0  # since the start
 

@@ -370,7 +370,6 @@ def test_normalize_reward_sets_population_mean_0_std_1(gpt2_dir):
     args.local_rollout_batch_size = 8
     args.task = R.TaskHParams(response_length=3, temperature=0.7)
     ref_lm = dominated_lm(DOT)  # samples '.' every time: scores depend on the queries only
-    R.use_plain_sampling(ref_lm)
     torch.manual_seed(0)
     model = R.RewardModel(R.load_pretrained(AutoModel, str(gpt2_dir), "--base-model"), PAD).eval()
     generator = torch.Generator().manual_seed(2)

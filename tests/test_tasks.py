@@ -260,9 +260,7 @@ class RecordingReward(nn.Module):
 
 def tiny_lm(seed: int) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
-    lm = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16)).eval()
-    P.use_plain_sampling(lm)
-    return lm
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16)).eval()
 
 
 def query_texts(tmp_path, lines: list[str]) -> run_utils.QueryTexts:
@@ -304,11 +302,11 @@ def test_reward_script_samples_from_the_contexts_and_scores_the_bare_queries(tok
     stream = summarization_stream(tokenizer, query_length=6, tmp_path=tmp_path)
     generated = []
 
-    def fake_generate(lm, contexts, pad_id, response_length, temperature):
+    def fake_sample(lm, contexts, pad_id, response_length, temperature):
         generated.append(contexts)
-        return torch.full((len(contexts), response_length), NEWLINE)
+        return torch.full((len(contexts), response_length), NEWLINE), None, None
 
-    monkeypatch.setattr(R, "generate_responses", fake_generate)
+    monkeypatch.setattr(R, "sample_responses", fake_sample)
     labels = R.LabelHParams(source="sentiment", num_train=3, simulated_num_test=1)
     args = R.Args(local_rollout_forward_batch_size=16, labels=labels)  # one chunk each
     args.task, args.world_size = stream.task, 1
