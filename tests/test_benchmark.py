@@ -211,13 +211,18 @@ def test_template_has_nothing_cluster_specific():
 
 
 def test_launcher_rejects_bad_flags(tmp_path):
-    assert run_launcher("--num-seeds", "2", cwd=tmp_path).returncode != 0  # no --command
-    result = run_launcher("--command", "echo 'unbalanced", cwd=tmp_path)
-    assert result.returncode != 0 and "cannot parse --command" in result.stderr
-    assert run_launcher("--command", "true", "--workers", "0", cwd=tmp_path).returncode != 0
-    assert run_launcher("--command", "true", "--job-name", "a b", cwd=tmp_path).returncode != 0
-    result = run_launcher("--command", "true", "--slurm", "--slurm-extra=constraint=x", "--dry-run", cwd=tmp_path)
-    assert result.returncode != 0 and "not an sbatch option" in result.stderr
+    """Each refused for its own reason, in one line (a traceback from deeper down is a non-zero exit too)."""
+    cases = [
+        (["--num-seeds", "2"], "give at least one --command"),
+        (["--command", "echo 'unbalanced"], "cannot parse --command"),
+        (["--command", "true", "--workers", "0"], "--workers must be at least 1"),
+        (["--command", "true", "--job-name", "a b"], "--job-name 'a b': use letters"),
+        (["--command", "true", "--slurm", "--slurm-extra=constraint=x", "--dry-run"], "not an sbatch option"),
+    ]
+    for flags, words in cases:
+        result = run_launcher(*flags, cwd=tmp_path)
+        assert result.returncode != 0 and "Traceback" not in result.stderr, (flags, result.stderr[-2000:])
+        assert words in result.stderr.strip().splitlines()[-1], (flags, result.stderr[-2000:])
 
 
 def test_parse_scontrol_jobs():

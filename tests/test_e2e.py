@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train_policy_accelerate as P
+import train_reward_accelerate as R
 
 REWARD = "train_reward_accelerate.py"
 POLICY = "train_policy_accelerate.py"
@@ -82,11 +83,23 @@ def load_saved_reward_model(directory):
     return P.load_reward_model(str(directory)).eval()
 
 
-def test_saved_reward_model_reloads_and_scores_identically(reward_run):
+def test_saved_reward_model_reloads_and_scores_identically(reward_run, tiny_assets):
     model = load_saved_reward_model(reward_run / "reward_model")
     head = load_file(reward_run / "reward_model" / "reward_head.safetensors")
     assert torch.equal(model.reward_gain.detach(), head["reward_gain"])
     assert head["reward_gain"].item() != 1.0  # normalization after training changed the gain
+    # the saved weights are the trained ones: they get the run's last held-out accuracy on the same records (the 192
+    # after the 2000 trained on: 12 whole batches of 16); normalization after training multiplies every score by one
+    # positive gain, which keeps each record's best sample (an untrained backbone saved instead gets ~1 in 4)
+    tokenizer = P.load_tokenizer(str(reward_run / "reward_model"), "--base-model")
+    label_args = R.Args(labels=R.LabelHParams(num_train=2000), task=R.TaskHParams(query_length=64, response_length=24))
+    labels = R.load_labels(str(tiny_assets["labels"]), tokenizer, label_args)
+    held_out = slice(2000, 2192)
+    queries, samples = labels["queries"][held_out].repeat_interleave(4, 0), labels["samples"][held_out].flatten(0, 1)
+    with torch.no_grad():
+        scores = model(torch.cat([queries, samples], 1)).view(-1, 4)  # (192, 4)
+    final = [row for row in read_jsonl(reward_run / "metrics.jsonl") if "test/accuracy" in row][-1]
+    assert (scores.argmax(1) == labels["best"][held_out]).sum().item() == round(final["test/accuracy"] * 192)
     tokens = torch.randint(0, 50257, (3, 88))
     again = load_saved_reward_model(reward_run / "reward_model")
     with torch.no_grad():

@@ -52,6 +52,7 @@ def test_reward_loss_under_bf16_stays_within_tolerance_of_fp32():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss_bf16, _ = R.best_of_4_loss(model, queries, samples, best)
     assert loss_bf16.dtype == torch.float32
+    assert loss_bf16.item() != loss.item()  # the forward really ran in bf16 (the same loss would pass trivially)
     assert loss_bf16.item() == pytest.approx(loss.item(), abs=0.02)
 
 

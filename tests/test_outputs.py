@@ -201,14 +201,19 @@ def test_gradient_checkpointing_gives_the_same_gradients(kind):
 
     tokens = torch.randint(0, 1000, (3, 12), generator=torch.Generator().manual_seed(1))
     tokens[1, :3] = 1000  # left padding (pad one past the vocabulary)
-    gradients = []
+    gradients, layer_forwards = [], []
     for checkpointing in (False, True):
         model = policy()
         if checkpointing:
             run_utils.enable_gradient_checkpointing(model.lm)
+        calls = []  # forwards of the first layer's MLP: once, or again in the backward pass when the layer recomputes
+        mlp = (model.lm.transformer.h if kind == "gpt2" else model.lm.model.layers)[0].mlp
+        mlp.forward = lambda *inputs, calls=calls, forward=mlp.forward: calls.append(1) or forward(*inputs)
         logits, values = model(tokens, 6, 1000, 0.7)
         (logits.logsumexp(-1).mean() + values.square().mean()).backward()
         gradients.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        layer_forwards.append(len(calls))
+    assert layer_forwards == [1, 2]  # checkpointing is on: the same gradients are not those of an unchanged model
     assert gradients[0].abs().max() > 0
     torch.testing.assert_close(gradients[1], gradients[0], atol=1e-6, rtol=1e-5)
 

@@ -179,6 +179,12 @@ def test_reward_head_init_std_is_one_over_sqrt_d_plus_one_bias_zero_gain_one():
     torch.manual_seed(1)
     large = R.RewardModel(HiddenSize(65535), PAD).scalar_head.weight.detach().double()
     assert large.std().item() == pytest.approx(1 / 256, rel=0.03)  # 1/sqrt(65535 + 1); standard error 0.3%
+    # the "+ 1": 1/sqrt(768) is only 0.065% larger, far inside any sample's noise, so the scale itself is checked on
+    # the same draws: the head's own nn.Linear init, then 768 standard normals, times 1/sqrt(769) = 0.036061
+    torch.manual_seed(0)
+    nn.Linear(768, 1)
+    standard_normals = torch.randn(1, 768).double()
+    torch.testing.assert_close(weight, standard_normals * 0.0360609, rtol=1e-5, atol=0)
 
 
 def test_saved_reward_model_loads_in_the_policy_script_and_scores_identically(gpt2_dir, tokenizer, tmp_path):

@@ -111,6 +111,17 @@ def test_shared_block_is_byte_identical():
     assert reward == policy
 
 
+def name_uses(tree: ast.Module, name: str) -> int:
+    """How often code outside `name`'s own definition reads `name`: a comment, a docstring or a type hint that names
+    it is no use (`# see use_plain_sampling` kept the shared copy "used" after its only call was gone)."""
+    annotations = [node.annotation for node in ast.walk(tree) if isinstance(node, (ast.arg, ast.AnnAssign))]
+    annotations += [node.returns for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)]
+    hinted = {id(node) for annotation in annotations if annotation is not None for node in ast.walk(annotation)}
+    others = [node for node in tree.body if getattr(node, "name", None) != name]
+    return sum(isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Load)
+               and id(node) not in hinted for top in others for node in ast.walk(top))  # fmt: skip
+
+
 def test_the_shared_block_holds_only_what_both_scripts_use(definitions):
     """No dead copies: every function and class of the shared block is used by the script outside its own
     definition (the reward script needs no whiten, the policy no reward-model save)."""
@@ -118,11 +129,14 @@ def test_the_shared_block_holds_only_what_both_scripts_use(definitions):
         block_names = [name for name, (node, source) in top_level_definitions(path).items()
                        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and source in shared_block(path)]  # fmt: skip
         assert len(block_names) > 15
-        source = path.read_text()
+        tree = ast.parse(path.read_text())
         for name in block_names:
-            own = top_level_definitions(path)[name][1]
-            uses = len(re.findall(rf"\b{name}\b", source)) - len(re.findall(rf"\b{name}\b", own))
-            assert uses > 0, f"{path.name}: {name} is in the shared block but never used"
+            assert name_uses(tree, name) > 0, f"{path.name}: {name} is in the shared block but never used"
+
+
+def test_a_shared_definition_counts_as_used_only_where_code_calls_it():
+    tree = ast.parse("def f(): pass\n\n\ndef g(x: f) -> f:\n    # f\n    return 'f'\n\n\nh = [f]\n")
+    assert name_uses(tree, "f") == 1 and name_uses(tree, "g") == 0
 
 
 def test_shared_functions_and_classes_live_in_the_shared_block(definitions):
@@ -158,10 +172,12 @@ def all_fields(config_class, prefix: str = "") -> list[str]:
     return names
 
 
-def field_reads(source: str) -> tuple[set[tuple[str, str]], set[str]]:
-    """What code reads of a flags object: (owner, field) for every `...owner.field` attribute access (`args.seed`,
-    `self.args.track`, `args.task.query_length` and its alias `task.query_length` all end in owner.field), and the
-    string constants, which name fields read by name (`require_positive(args, "ppo.lr")`)."""
+def field_reads(source: str) -> set[tuple[str, str]]:
+    """What code reads of a flags object: (owner, field) for every `...owner.field` attribute load (`args.seed`,
+    `self.args.track`, `args.task.query_length` and its alias `task.query_length` all end in owner.field), and
+    (owner, "*") for `**vars(...owner)`. An assignment (`args.num_updates = ...`) is no read, nor is a field's name in
+    a string: what takes fields by name (`require_positive(args, "ppo.lr")`, `fill_defaults`, `print_dry_run`) checks,
+    fills or prints them, and any other string (`group["eps"]`) would make a flag of that name look used."""
     tree = ast.parse(source)
     for node in tree.body:  # the dataclasses themselves declare the fields: no reads
         if isinstance(node, ast.ClassDef) and any("dataclass" in ast.unparse(d) for d in node.decorator_list):
@@ -169,40 +185,42 @@ def field_reads(source: str) -> tuple[set[tuple[str, str]], set[str]]:
     accesses = {
         (ast.unparse(node.value).rsplit(".", 1)[-1], node.attr)
         for node in ast.walk(tree)
-        if isinstance(node, ast.Attribute)
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
     }
     accesses |= {  # `f(**vars(args.rewards.adaptive_kl))` reads every field of adaptive_kl
         (ast.unparse(node.value.args[0]).rsplit(".", 1)[-1], "*") for node in ast.walk(tree)
         if isinstance(node, ast.keyword) and node.arg is None and isinstance(node.value, ast.Call)
         and ast.unparse(node.value.func) == "vars"
     }  # fmt: skip
-    strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
-    return accesses, strings
+    return accesses
 
 
-def is_read(name: str, accesses: set[tuple[str, str]], strings: set[str]) -> bool:
+def is_read(name: str, accesses: set[tuple[str, str]]) -> bool:
     owner, _, field = name.rpartition(".")
     owner = owner.rsplit(".", 1)[-1] or "args"
-    return (owner, field) in accesses or (owner, "*") in accesses or name in strings
+    return (owner, field) in accesses or (owner, "*") in accesses
 
 
 @pytest.mark.parametrize("kind", SCRIPTS)
 def test_every_args_field_is_read(kind):
-    accesses, strings = field_reads(SCRIPTS[kind].read_text() + "\n" + (REPO / "run_utils.py").read_text())
+    accesses = field_reads(SCRIPTS[kind].read_text() + "\n" + (REPO / "run_utils.py").read_text())
     fields = all_fields(MODULES[kind].Args)
     assert "task.query_length" in fields and "checkpoint_every" in fields and len(fields) > 30
-    unread = [name for name in fields if not is_read(name, accesses, strings)]
+    unread = [name for name in fields if not is_read(name, accesses)]
     assert not unread, f"{SCRIPTS[kind].name}: Args fields never read outside the dataclasses: {unread}"
 
 
 def test_a_field_counts_as_read_only_where_its_owner_reads_it():
-    """The check above cannot be fooled by a name that happens to match: `device.type` is no read of `labels.type`."""
-    accesses, strings = field_reads(
-        "x = accelerator.device.type\nrequire_positive(args, 'ppo.lr')\ntask = args.task\ny = task.name"
+    """The check above cannot be fooled by a name that happens to match: `device.type` is no read of `labels.type`,
+    `group["eps"]` or a check by name no read of `eps` or `ppo.lr`, `args.num_updates = ...` no read of num_updates."""
+    accesses = field_reads(
+        "x = accelerator.device.type\nrequire_positive(args, 'ppo.lr')\nd = group['eps']\nargs.num_updates = 3\n"
+        "task = args.task\ny = task.name\nz = args.ppo.noptepochs\nf(**vars(args.rewards.adaptive_kl))"
     )
-    assert not is_read("labels.type", accesses, strings)
-    assert is_read("ppo.lr", accesses, strings) and is_read("task.name", accesses, strings)
-    assert is_read("task", accesses, strings) and not is_read("seed", accesses, strings)
+    assert not is_read("labels.type", accesses) and not is_read("ppo.lr", accesses) and not is_read("eps", accesses)
+    assert not is_read("num_updates", accesses) and not is_read("seed", accesses)
+    assert is_read("task", accesses) and is_read("task.name", accesses) and is_read("ppo.noptepochs", accesses)
+    assert is_read("rewards.adaptive_kl.target", accesses) and not is_read("rewards.kl_coef", accesses)
 
 
 # ---------------------------------------------------------------------------------------------------------------
