@@ -13,7 +13,7 @@ import pytest
 import tyro
 from conftest import run_script
 
-import run_utils
+import rlhf_data
 import train_policy_accelerate as P
 import train_reward_accelerate as R
 
@@ -48,10 +48,10 @@ def test_books_queries_are_passages_that_start_after_and_end_with_a_period(token
     (tmp_path / "books.txt").write_text("\n".join(rows) + "\n")
     task = books_task("--task.query-dataset", str(tmp_path / "books.txt"))
     assert (task.passage_rows, task.start_text, task.end_text, task.query_length) == (8, ".", ".", 64)
-    texts = run_utils.QueryTexts(task.query_dataset, None, task.query_field, task.passage_rows)
+    texts = rlhf_data.QueryTexts(task.query_dataset, None, task.query_field, task.passage_rows)
     assert len(texts.texts) == 50 and texts.texts[0] == " ".join(rows[:8])
     queries = R.QueryStream(texts, tokenizer, task, PAD, seed=0).next_batch(32)
-    corpus = tokenizer.encode(R.clean_query_text(" ".join(rows), "sentiment"))  # " ." joined back: '.' is token 13
+    corpus = tokenizer.encode(rlhf_data.clean_query_text(" ".join(rows), "sentiment"))  # " ." joined: '.' is 13
     for query in queries.tolist():
         tokens = [t for t in query if t != PAD]
         assert 0 < len(tokens) <= 64 and tokens[-1] == DOT and tokens.count(DOT) >= 2  # several sentences
@@ -65,7 +65,7 @@ def test_one_text_per_row_files_read_as_before(tokenizer, tmp_path):
     flags = ["--task.query-dataset", str(tmp_path / "lines.txt"), "--task.passage-rows", "1", "--task.start-text", "",
              "--task.end-text", ""]  # fmt: skip
     task = books_task(*flags)
-    texts = run_utils.QueryTexts(task.query_dataset, None, task.query_field, task.passage_rows)
+    texts = rlhf_data.QueryTexts(task.query_dataset, None, task.query_field, task.passage_rows)
     assert texts.texts == ["A short line", "Another one here"]
     queries = R.QueryStream(texts, tokenizer, task, PAD, seed=0).next_batch(2)
     assert sorted(R.decode(tokenizer, queries)) == ["A short line", "Another one here"]
@@ -74,7 +74,7 @@ def test_one_text_per_row_files_read_as_before(tokenizer, tmp_path):
 def test_query_stream_resumes_exactly_from_its_state(tokenizer, tmp_path):
     (tmp_path / "lines.txt").write_text("\n".join(f"Line number {i} of the file" for i in range(50)) + "\n")
     task = R.TaskHParams(query_length=8, start_text="", end_text="")
-    texts = run_utils.QueryTexts(str(tmp_path / "lines.txt"), None, "text")
+    texts = rlhf_data.QueryTexts(str(tmp_path / "lines.txt"), None, "text")
     stream = R.QueryStream(texts, tokenizer, task, PAD, seed=3, chunk=7)
     first, second = stream.next_batch(30), None
     state = json.loads(json.dumps(stream.state()))  # as a checkpoint's state.json holds it
@@ -119,7 +119,7 @@ def hub(tmp_path, monkeypatch):
         return real(str(layout[path, revision]), *args, **kwargs)
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    monkeypatch.setattr(run_utils, "check_source", lambda value, flag: None)  # the Hub is "reachable"
+    monkeypatch.setattr(rlhf_data, "check_source", lambda value, flag: None)  # the Hub is "reachable"
     return calls, rows
 
 
@@ -127,11 +127,11 @@ def test_a_hub_dataset_with_a_loading_script_is_read_from_its_parquet_conversion
     calls, rows = hub
     task = books_task()  # the default: bookcorpus/bookcorpus, passages of 8 rows
     assert task.query_dataset == "bookcorpus/bookcorpus"
-    texts = run_utils.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
+    texts = rlhf_data.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
     assert [call[2] for call in calls] == [None, "refs/convert/parquet"]  # main refused, then the conversion
     streams = [R.QueryStream(texts, tokenizer, task, PAD, seed=1, rank=rank, world_size=2) for rank in (0, 1)]
     batches = [stream.next_batch(20) for stream in streams]
-    corpus = tokenizer.encode(R.clean_query_text(" ".join(rows), "sentiment"))
+    corpus = tokenizer.encode(rlhf_data.clean_query_text(" ".join(rows), "sentiment"))
     for query in batches[0].tolist() + batches[1].tolist():
         tokens = [t for t in query if t != PAD]
         assert tokens[-1] == DOT and all(corpus[start - 1] == DOT for start in contains_at(corpus, tokens))
@@ -147,7 +147,7 @@ def test_a_hub_dataset_of_parquet_files_loads_its_configuration(hub, tokenizer):
     calls, _ = hub
     task = books_task("--task.name", "cnndm")
     assert (task.query_dataset, task.query_dataset_config) == ("abisee/cnn_dailymail", "3.0.0")
-    texts = run_utils.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
+    texts = rlhf_data.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
     assert calls == [("abisee/cnn_dailymail", ("3.0.0",), None, None)]
     task.query_length = 8
     queries = R.QueryStream(texts, tokenizer, task, PAD, seed=0).next_batch(3)
@@ -155,9 +155,9 @@ def test_a_hub_dataset_of_parquet_files_loads_its_configuration(hub, tokenizer):
 
 
 def test_a_missing_hub_dataset_is_a_one_line_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(run_utils, "check_source", lambda value, flag: None)
+    monkeypatch.setattr(rlhf_data, "check_source", lambda value, flag: None)
     with pytest.raises(SystemExit) as failure:
-        run_utils.QueryTexts(str(tmp_path / "nowhere" / "at-all"), None, "text")
+        rlhf_data.QueryTexts(str(tmp_path / "nowhere" / "at-all"), None, "text")
     message = str(failure.value)
     assert message.startswith("error: --task.query-dataset") and "cannot load it" in message and "\n" not in message
 
