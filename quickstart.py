@@ -570,7 +570,7 @@ def policy_held_out_texts(policy_flags: Sequence[str]) -> tuple[list[str], froze
     task = args.task
     texts = rlhf_data.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
     _, _, held_out = policy_script.held_out_queries(texts, tokenizer, task, args.eval_queries)
-    return texts.texts, held_out
+    return [texts[i] for i in range(len(texts))], held_out
 
 
 def write_reward_queries(policy_flags: Sequence[str], path: Path) -> tuple[int, int]:

@@ -50,26 +50,32 @@ def join_rows(rows: list[str]) -> str:
 
 
 class QueryTexts:
-    """The query texts of --task.query-dataset, `rows_per_text` consecutive rows joined into one text (Hub
-    `bookcorpus` has one sentence per row, in book order; OAI's queries were multi-sentence passages).
+    """The query texts of --task.query-dataset: text i is rows [i * rows_per_text, (i + 1) * rows_per_text) joined
+    (Hub `bookcorpus` has one sentence per row, in book order; OAI's queries were multi-sentence passages), and each
+    epoch reads every text once, in a seeded order of all of them, as OAI shuffled its whole passage file.
 
-    A local .txt (one row per line), .jsonl or .json (a list of objects) file is read into memory and shuffled in full
-    each epoch. A Hub dataset (or a local directory laid out like one) is streamed, never downloaded whole: each
-    process reads its own part of the stream through a seeded shuffle buffer, so an epoch order is as reproducible as
-    a file's and a resumed run skips the texts it already used."""
-
-    SHUFFLE_BUFFER = 10_000  # texts in a Hub stream's shuffle buffer
+    A local .txt (one row per line), .jsonl or .json (a list of objects) file is read into memory. A Hub dataset (or
+    a local directory laid out like one) costs a one-time download of the whole dataset into the `datasets` cache,
+    as memory-mapped Arrow files that texts are read from when needed, never held in memory (bookcorpus: its Parquet
+    files, then 4.85 GB of Arrow for 74M rows, by its dataset card). A stream cannot shuffle like OAI: bookcorpus's
+    74M sentences are 11,038 books in order (Zhu et al. 2015; ~840 passages each), so a 10,000-passage shuffle buffer
+    holds ~12 books and a batch of 512 came from 13-15 books at first, ~52 later (a simulation of that buffer),
+    against ~500 for a full shuffle (tests/test_data.py counts books per batch on a small dataset in book order).
+    Every process loads it: `datasets` prepares the cache under a file lock, so one process downloads and converts
+    it, and the others then read its files."""
 
     def __init__(self, name: str, config: Optional[str], field: str, rows_per_text: int = 1):
         self.name, self.config, self.field, self.rows_per_text = name, config, field, rows_per_text
-        self.texts = self.stream = None
-        if os.path.isfile(name):
-            rows = self.read_file()
-            self.texts = [
-                join_rows(rows[i : i + rows_per_text]) for i in range(0, len(rows) - rows_per_text + 1, rows_per_text)
-            ]
-        else:
-            self.stream = self.open_stream()
+        self.rows = self.read_file() if os.path.isfile(name) else self.read_dataset()
+
+    def __len__(self) -> int:
+        return len(self.rows) // self.rows_per_text
+
+    def __getitem__(self, index: int) -> str:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        first = int(index) * self.rows_per_text
+        return join_rows(self.rows[first : first + self.rows_per_text])
 
     def read_file(self) -> list[str]:
         path, flag = self.name, "--task.query-dataset"
@@ -89,48 +95,41 @@ class QueryTexts:
             return [str(row[self.field]) for row in rows]
         return content.splitlines()
 
-    def open_stream(self):
-        """The Hub dataset as a stream of texts. A repo that still ships a loading script (refused by `datasets` >= 4,
-        e.g. bookcorpus/bookcorpus, webis/tldr-17) is read from the Hub's automatic Parquet conversion instead
-        (revision refs/convert/parquet; there, a configuration is a directory)."""
+    def read_dataset(self):
+        """The Hub dataset's rows of `field`, a column of the cached Arrow files read when sliced. A repo that still
+        ships a loading script (refused by `datasets` >= 4, e.g. bookcorpus/bookcorpus, webis/tldr-17) is read from
+        the Hub's automatic Parquet conversion instead (revision refs/convert/parquet; there, a configuration is a
+        directory)."""
         require_package("datasets", "datasets", f"--task.query-dataset {self.name!r} (a Hub dataset or directory)")
         import datasets
 
         datasets.disable_progress_bars()
         flag = f"--task.query-dataset {self.name!r} (--task.query-dataset-config {self.config!r})"
         check_source(self.name, "--task.query-dataset")
+        console.print(f"{self.name}: read through the datasets cache (the first run fills it with the whole dataset)")
         try:
             try:
-                stream = datasets.load_dataset(self.name, self.config, split="train", streaming=True)
+                dataset = datasets.load_dataset(self.name, self.config, split="train")
             except RuntimeError as error:  # "Dataset scripts are no longer supported, but found NAME.py"
                 if "scripts are no longer supported" not in str(error):
                     raise
                 console.print(f"{self.name} ships a loading script: reading the Hub's Parquet conversion of it")
-                stream = datasets.load_dataset(self.name, split="train", streaming=True,
-                                               revision="refs/convert/parquet", data_dir=self.config)  # fmt: skip
-            columns = stream.column_names or list(next(iter(stream)))
+                dataset = datasets.load_dataset(self.name, split="train", revision="refs/convert/parquet",
+                                                data_dir=self.config)  # fmt: skip
         except Exception as error:  # datasets, fsspec and httpx raise their own types for a missing repo or network
             fail(f"{flag}: cannot load it ({type(error).__name__}: {first_line(error)})")
-        if self.field not in columns:
-            fail(f"--task.query-field {self.field!r} is not a column of {self.name} (columns: {columns})")
-        stream = stream.select_columns([self.field])
-        if self.rows_per_text > 1:  # consecutive rows, before any shuffling
-            stream = stream.batch(self.rows_per_text, drop_last_batch=True)
-            return stream.map(lambda batch: {self.field: join_rows(batch[self.field])})
-        return stream
+        if self.field not in dataset.column_names:
+            fail(f"--task.query-field {self.field!r} is not a column of {self.name} (columns: {dataset.column_names})")
+        feature = dataset.features[self.field]
+        if getattr(feature, "dtype", None) not in ("string", "large_string"):
+            fail(f"--task.query-field {self.field!r} of {self.name} holds {feature}, not text")
+        return dataset[self.field]
 
     def epoch(self, epoch: int, seed: int, rank: int, world_size: int, start: int = 0):
         """This process's texts of one epoch in a seeded order that all processes share (process r takes every
         world_size-th), from the `start`-th on."""
-        if self.texts is not None:
-            order = np.random.default_rng([seed, epoch]).permutation(len(self.texts))[rank::world_size]
-            return (self.texts[i] for i in order[start:])
-        from datasets.distributed import split_dataset_by_node
-
-        stream = self.stream.shuffle(seed=seed, buffer_size=self.SHUFFLE_BUFFER)
-        stream.set_epoch(epoch)
-        stream = split_dataset_by_node(stream, rank=rank, world_size=world_size).skip(start)
-        return (row[self.field] for row in stream)
+        order = np.random.default_rng([seed, epoch]).permutation(len(self))[rank::world_size]
+        return (self[i] for i in order[start:])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
