@@ -562,15 +562,15 @@ def policy_held_out_texts(policy_flags: Sequence[str]) -> tuple[list[str], froze
     policy script's own code and flags, so the answer is exactly the script's."""
     import tyro
 
-    import run_utils
+    import rlhf_data
     import train_policy_accelerate as policy_script
 
     args = policy_script.validate_args(tyro.cli(policy_script.Args, args=list(policy_flags)))
     tokenizer = policy_script.load_tokenizer(args.base_model, "--base-model")
     task = args.task
-    texts = run_utils.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
+    texts = rlhf_data.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
     _, _, held_out = policy_script.held_out_queries(texts, tokenizer, task, args.eval_queries)
-    return texts.texts, held_out
+    return [texts[i] for i in range(len(texts))], held_out
 
 
 def write_reward_queries(policy_flags: Sequence[str], path: Path) -> tuple[int, int]:

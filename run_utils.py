@@ -2,10 +2,11 @@
 RLHF algorithm, written once (CleanRL's split: its scripts import `cleanrl_utils`).
 
 Here: the tooling flags both scripts inherit (`RunArgs`), one-line errors and input checks, the Hugging Face Hub,
-the query texts as files or Hub datasets, the output directory and atomic writes, checkpoints and exact resume,
-SIGTERM / Ctrl-C, metrics (metrics.jsonl, TensorBoard, wandb), console and progress, and timing / MFU. Every tensor
-operation of the algorithm is in the script that runs it: nothing here defines a model, calls `backward()` or
-`generate()`, or imports the scripts (tests/test_run_utils.py checks all three).
+the output directory and atomic writes, checkpoints and exact resume, SIGTERM / Ctrl-C, metrics (metrics.jsonl,
+TensorBoard, wandb), console and progress, and timing / MFU. The data the scripts read (query texts, label files)
+is rlhf_data.py's. Every tensor operation of the algorithm is in the script that runs it: nothing here defines a
+model, calls `backward()` or `generate()`, or imports the scripts or rlhf_data (tests/test_run_utils.py checks all
+three).
 """
 
 import ctypes
@@ -24,7 +25,6 @@ from pathlib import Path
 from typing import Literal, NoReturn, Optional
 from urllib.parse import urlparse
 
-import numpy as np
 import torch
 import tyro
 from accelerate.utils import gather_object
@@ -286,146 +286,6 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
     vocab = json.dumps(sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]))
     return hashlib.sha256(vocab.encode()).hexdigest()[:16]
-
-
-LABEL_ANSWER_KEYS = (("score", "scalar_rating"), ("difference", "scalar_compare"), ("choice", "pairwise"))
-"""OAI's label_types.py tells label types by their answer key; best-of-N records answer with `best`."""
-
-
-def read_label_records(path: str, lengths: dict[str, int], vocab_size: int, pad_ids: tuple, num_samples: int) -> list:
-    """Read and check a best-of-N label file (OAI's schema: a JSON list of {query, sample0..sample{N-1}, best}, token
-    ids); every problem is one line naming the file and the record."""
-    flag = "--label-dataset"
-    try:
-        records = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        fail(f"{flag} {path}: not a readable JSON file ({first_line(error)})")
-    if not isinstance(records, list):
-        fail(f"{flag} {path}: expected a JSON list of label records, got {type(records).__name__}")
-    expected = f"best-of-{num_samples} records need query, {', '.join(k for k in lengths if k != 'query')}, best"
-    for index, record in enumerate(records):
-        where = f"{flag} {path}: record {index}"
-        if not isinstance(record, dict):
-            fail(f"{where} is not an object")
-        indices = [int(key[6:]) for key in record if key.startswith("sample") and key[6:].isdigit()]
-        kind = next((kind for key, kind in LABEL_ANSWER_KEYS if key in record and "best" not in record),
-                    f"best_of_{max(indices, default=num_samples - 1) + 1}")  # fmt: skip
-        if kind != f"best_of_{num_samples}":
-            fail(f"{where}: label type {kind} not supported (keys: {', '.join(sorted(record))}); {expected}")
-        for key, length in lengths.items():
-            if key not in record:
-                fail(f"{where} has no {key!r} ({expected})")
-            if not isinstance(record[key], list) or len(record[key]) != length:
-                fail(
-                    f"{where}: {key!r} must be a list of {length} token ids (--task.query-length/--task.response-length)"
-                )
-        if not isinstance(record.get("best"), int) or not 0 <= record["best"] < num_samples:
-            fail(f"{where}: 'best' must be an integer in 0..{num_samples - 1}, got {record.get('best')!r}")
-    tokens = np.asarray([[t for key in lengths for t in record[key]] for record in records] or [[0]])
-    keys = [key for key, length in lengths.items() for _ in range(length)]  # the record key of each column
-    if tokens.dtype.kind not in "iub":  # a float, string or null somewhere
-        index, column = next(
-            (i, j) for i, row in enumerate(tokens.tolist()) for j, t in enumerate(row) if type(t) is not int
-        )
-        fail(f"{flag} {path}: record {index}: {keys[column]!r} has token id {tokens[index][column]!r}, not an integer")
-    bad = ~(((tokens >= 0) & (tokens < vocab_size)) | np.isin(tokens, pad_ids))
-    if bad.any():
-        index = int(bad.any(1).argmax())
-        column = int(bad[index].argmax())
-        fail(f"{flag} {path}: record {index}: {keys[column]!r} has token id {tokens[index][column]} outside the "
-             f"vocabulary of {vocab_size} tokens")  # fmt: skip
-    return records
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# query texts: a local file or a Hub dataset
-def join_rows(rows: list[str]) -> str:
-    """Consecutive rows (sentences) as one text, empty rows left out."""
-    return " ".join(row for row in rows if row)
-
-
-class QueryTexts:
-    """The query texts of --task.query-dataset, `rows_per_text` consecutive rows joined into one text (Hub
-    `bookcorpus` has one sentence per row, in book order; OAI's queries were multi-sentence passages).
-
-    A local .txt (one row per line), .jsonl or .json (a list of objects) file is read into memory and shuffled in full
-    each epoch. A Hub dataset (or a local directory laid out like one) is streamed, never downloaded whole: each
-    process reads its own part of the stream through a seeded shuffle buffer, so an epoch order is as reproducible as
-    a file's and a resumed run skips the texts it already used."""
-
-    SHUFFLE_BUFFER = 10_000  # texts in a Hub stream's shuffle buffer
-
-    def __init__(self, name: str, config: Optional[str], field: str, rows_per_text: int = 1):
-        self.name, self.config, self.field, self.rows_per_text = name, config, field, rows_per_text
-        self.texts = self.stream = None
-        if os.path.isfile(name):
-            rows = self.read_file()
-            self.texts = [
-                join_rows(rows[i : i + rows_per_text]) for i in range(0, len(rows) - rows_per_text + 1, rows_per_text)
-            ]
-        else:
-            self.stream = self.open_stream()
-
-    def read_file(self) -> list[str]:
-        path, flag = self.name, "--task.query-dataset"
-        with flag_errors(flag, path, "cannot read it"):
-            content = Path(path).read_text(encoding="utf-8")
-        if path.endswith((".json", ".jsonl")):
-            try:
-                rows = [json.loads(line) for line in content.splitlines() if line.strip()]
-                rows = rows[0] if path.endswith(".json") and len(rows) == 1 and isinstance(rows[0], list) else rows
-            except json.JSONDecodeError as error:
-                try:  # a .json file with a list spread over several lines
-                    rows = json.loads(content)
-                except json.JSONDecodeError:
-                    fail(f"{flag} {path!r}: not JSON lines or a JSON list ({first_line(error)})")
-            if not all(isinstance(row, dict) and self.field in row for row in rows):
-                fail(f"--task.query-field {self.field!r} is not a field of every record of {path}")
-            return [str(row[self.field]) for row in rows]
-        return content.splitlines()
-
-    def open_stream(self):
-        """The Hub dataset as a stream of texts. A repo that still ships a loading script (refused by `datasets` >= 4,
-        e.g. bookcorpus/bookcorpus, webis/tldr-17) is read from the Hub's automatic Parquet conversion instead
-        (revision refs/convert/parquet; there, a configuration is a directory)."""
-        require_package("datasets", "datasets", f"--task.query-dataset {self.name!r} (a Hub dataset or directory)")
-        import datasets
-
-        datasets.disable_progress_bars()
-        flag = f"--task.query-dataset {self.name!r} (--task.query-dataset-config {self.config!r})"
-        check_source(self.name, "--task.query-dataset")
-        try:
-            try:
-                stream = datasets.load_dataset(self.name, self.config, split="train", streaming=True)
-            except RuntimeError as error:  # "Dataset scripts are no longer supported, but found NAME.py"
-                if "scripts are no longer supported" not in str(error):
-                    raise
-                console.print(f"{self.name} ships a loading script: reading the Hub's Parquet conversion of it")
-                stream = datasets.load_dataset(self.name, split="train", streaming=True,
-                                               revision="refs/convert/parquet", data_dir=self.config)  # fmt: skip
-            columns = stream.column_names or list(next(iter(stream)))
-        except Exception as error:  # datasets, fsspec and httpx raise their own types for a missing repo or network
-            fail(f"{flag}: cannot load it ({type(error).__name__}: {first_line(error)})")
-        if self.field not in columns:
-            fail(f"--task.query-field {self.field!r} is not a column of {self.name} (columns: {columns})")
-        stream = stream.select_columns([self.field])
-        if self.rows_per_text > 1:  # consecutive rows, before any shuffling
-            stream = stream.batch(self.rows_per_text, drop_last_batch=True)
-            return stream.map(lambda batch: {self.field: join_rows(batch[self.field])})
-        return stream
-
-    def epoch(self, epoch: int, seed: int, rank: int, world_size: int, start: int = 0):
-        """This process's texts of one epoch in a seeded order that all processes share (process r takes every
-        world_size-th), from the `start`-th on."""
-        if self.texts is not None:
-            order = np.random.default_rng([seed, epoch]).permutation(len(self.texts))[rank::world_size]
-            return (self.texts[i] for i in order[start:])
-        from datasets.distributed import split_dataset_by_node
-
-        stream = self.stream.shuffle(seed=seed, buffer_size=self.SHUFFLE_BUFFER)
-        stream.set_epoch(epoch)
-        stream = split_dataset_by_node(stream, rank=rank, world_size=world_size).skip(start)
-        return (row[self.field] for row in stream)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

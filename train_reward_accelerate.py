@@ -23,7 +23,6 @@ import itertools
 import json
 import math
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +38,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+import rlhf_data
 import run_utils
 
 
@@ -335,30 +335,6 @@ def linear_lr(base_lr: float, step: int, num_steps: int) -> float:
     return base_lr * (1 - step / num_steps)
 
 
-def clean_query_text(text: str, task_name: str) -> str:
-    """Texts as OAI's queries were made of. Books: Hub `bookcorpus` is tokenized text (lower-cased, a space before
-    punctuation, `` and '' for quotes); joined back like running text (OAI's passages were), its sentences end in
-    the '.' token that OAI's start and end text look for. Summarization: OAI's clean-up (datasets/tldr.py, cnndm.py).
-
-    Summarization: straight quotes (OAI: ftfy), Unix newlines, at most one empty line in a row, no surrounding whitespace.
-    cnndm also cuts at "@highlight" and drops the header before the story: the byline ("By . NAME ." in the Hub's
-    `cnn_dailymail`, whose loader joins lines with spaces and ends them with " ."; "By\\nNAME\\n" in .story files),
-    the Daily Mail date lines up to the last "PUBLISHED:/UPDATED: 15:36 EST, 25 October 2013" and the CNN dateline
-    up to "(CNN) --" (in the first 100 characters, like OAI)."""
-    if task_name not in ("tldr", "cnndm"):
-        text = text.replace("`` ", '"').replace(" ''", '"').replace("( ", "(")
-        return re.sub(r" (?=[.,!?;:)]|n't\b|'(?:s|re|ve|ll|d|m)\b)", "", text)
-    if task_name == "cnndm":
-        text = text.split("@highlight")[0]
-        text = re.sub(r"^\s*By(?: \. .{0,80}? \. |\s*\n[^\n]*\n)", "", text)
-        date = r"(?:PUBLISHED:|UPDATED:|Last updated at)[\s.]*\d{1,2}:\d{2}.*?\b(?:19|20)\d{2}\b[\s.|]*"
-        headers = list(re.finditer(date, text[:500]))
-        text = text[headers[-1].end() :] if headers else text
-        text = re.sub(r"^[\s\S]{0,100}\(CNN\)\s*(?:--)?", "", text)
-    text = text.translate(str.maketrans("\u2018\u2019\u201c\u201d", "''\"\"")).replace("\r\n", "\n")
-    return re.sub(r"\n{3,}", "\n\n", text).strip()
-
-
 def query_from_text(tokenizer, text_tokens: list[int], task, pad_id: int) -> Optional[list[int]]:
     """A query of `task.query_length` token ids, right-padded, or None if the text yields none. The prefix and suffix
     come later (`QueryStream.format`): the reward model and the label files see the bare query."""
@@ -386,7 +362,7 @@ def query_from_text(tokenizer, text_tokens: list[int], task, pad_id: int) -> Opt
 
 
 class QueryStream:
-    """Endless batches of left-padded queries (B, query_length) from `texts` (a run_utils.QueryTexts): every epoch in
+    """Endless batches of left-padded queries (B, query_length) from `texts` (an rlhf_data.QueryTexts): every epoch in
     a seeded order that all processes share (process r reads every world_size-th text, so none repeats a text another
     process uses in the same epoch), cleaned and tokenized lazily in chunks, the texts in `exclude` skipped (the
     policy's held-out queries). `format` turns queries into the policy's contexts."""
@@ -408,7 +384,7 @@ class QueryStream:
                 continue
             self.used += len(texts)
             texts = [text for text in texts if text not in self.exclude]
-            cleaned = [clean_query_text(text, self.task.name) for text in texts]
+            cleaned = [rlhf_data.clean_query_text(text, self.task.name) for text in texts]
             for tokens in self.tokenizer(cleaned, add_special_tokens=False)["input_ids"] if texts else []:
                 query = query_from_text(self.tokenizer, tokens, self.task, self.pad_id)
                 if query is not None:
@@ -544,17 +520,17 @@ def read_inputs(args: Args):
             run_utils.hub_file(args.label_dataset_repo, args.label_dataset, "--label-dataset"), tokenizer, args
         )
     if query_texts:
-        texts = run_utils.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
+        texts = rlhf_data.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
         QueryStream(texts, tokenizer, task, tokenizer.pad_token_id, args.seed).next_batch(1)  # yields a query
     return tokenizer, labels, texts
 
 
 def load_labels(path: str, tokenizer, args: Args) -> dict[str, torch.Tensor]:
     """A best-of-4 label file as tensors (OAI's books and summarization files alike: queries of --task.query-length,
-    bare, without prefix/suffix), checked by run_utils.read_label_records."""
+    bare, without prefix/suffix), checked by rlhf_data.read_label_records."""
     vocab_size = len(tokenizer) - (1 if tokenizer.pad_token == "[PAD]" else 0)  # our added pad is not in the files
     lengths = {"query": args.task.query_length, **{f"sample{i}": args.task.response_length for i in range(NUM_SAMPLES)}}
-    records = run_utils.read_label_records(
+    records = rlhf_data.read_label_records(
         path, lengths, vocab_size, (OPENAI_PAD_ID, tokenizer.pad_token_id), NUM_SAMPLES
     )
     if len(records) < args.labels.num_train:  # OAI reads num_train records; the held-out rest is ours

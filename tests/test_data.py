@@ -3,17 +3,19 @@ local files, and Hub datasets read from local directories laid out as the Hub se
 a loading script and its Parquet conversion, a repo of Parquet files with configurations, the label-file repo).
 Everything offline."""
 
+import itertools
 import json
 import random
 
 import datasets
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import tyro
 from conftest import run_script
 
-import run_utils
+import rlhf_data
 import train_policy_accelerate as P
 import train_reward_accelerate as R
 
@@ -48,10 +50,10 @@ def test_books_queries_are_passages_that_start_after_and_end_with_a_period(token
     (tmp_path / "books.txt").write_text("\n".join(rows) + "\n")
     task = books_task("--task.query-dataset", str(tmp_path / "books.txt"))
     assert (task.passage_rows, task.start_text, task.end_text, task.query_length) == (8, ".", ".", 64)
-    texts = run_utils.QueryTexts(task.query_dataset, None, task.query_field, task.passage_rows)
-    assert len(texts.texts) == 50 and texts.texts[0] == " ".join(rows[:8])
+    texts = rlhf_data.QueryTexts(task.query_dataset, None, task.query_field, task.passage_rows)
+    assert len(texts) == 50 and texts[0] == " ".join(rows[:8]) and texts[49] == " ".join(rows[392:])
     queries = R.QueryStream(texts, tokenizer, task, PAD, seed=0).next_batch(32)
-    corpus = tokenizer.encode(R.clean_query_text(" ".join(rows), "sentiment"))  # " ." joined back: '.' is token 13
+    corpus = tokenizer.encode(rlhf_data.clean_query_text(" ".join(rows), "sentiment"))  # " ." joined: '.' is 13
     for query in queries.tolist():
         tokens = [t for t in query if t != PAD]
         assert 0 < len(tokens) <= 64 and tokens[-1] == DOT and tokens.count(DOT) >= 2  # several sentences
@@ -65,8 +67,8 @@ def test_one_text_per_row_files_read_as_before(tokenizer, tmp_path):
     flags = ["--task.query-dataset", str(tmp_path / "lines.txt"), "--task.passage-rows", "1", "--task.start-text", "",
              "--task.end-text", ""]  # fmt: skip
     task = books_task(*flags)
-    texts = run_utils.QueryTexts(task.query_dataset, None, task.query_field, task.passage_rows)
-    assert texts.texts == ["A short line", "Another one here"]
+    texts = rlhf_data.QueryTexts(task.query_dataset, None, task.query_field, task.passage_rows)
+    assert [texts[0], texts[1]] == ["A short line", "Another one here"] and len(texts) == 2
     queries = R.QueryStream(texts, tokenizer, task, PAD, seed=0).next_batch(2)
     assert sorted(R.decode(tokenizer, queries)) == ["A short line", "Another one here"]
 
@@ -74,7 +76,7 @@ def test_one_text_per_row_files_read_as_before(tokenizer, tmp_path):
 def test_query_stream_resumes_exactly_from_its_state(tokenizer, tmp_path):
     (tmp_path / "lines.txt").write_text("\n".join(f"Line number {i} of the file" for i in range(50)) + "\n")
     task = R.TaskHParams(query_length=8, start_text="", end_text="")
-    texts = run_utils.QueryTexts(str(tmp_path / "lines.txt"), None, "text")
+    texts = rlhf_data.QueryTexts(str(tmp_path / "lines.txt"), None, "text")
     stream = R.QueryStream(texts, tokenizer, task, PAD, seed=3, chunk=7)
     first, second = stream.next_batch(30), None
     state = json.loads(json.dumps(stream.state()))  # as a checkpoint's state.json holds it
@@ -91,6 +93,33 @@ def test_query_stream_resumes_exactly_from_its_state(tokenizer, tmp_path):
 def write_parquet(path, rows: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table(rows), path)
+
+
+@pytest.fixture(autouse=True)
+def datasets_cache(tmp_path, monkeypatch):
+    """`datasets` writes what it loads into a cache of Arrow files: the test's own, not the user's."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
+
+
+def test_a_hub_dataset_in_book_order_gives_batches_from_as_many_books_as_a_full_shuffle(tmp_path):
+    """OpenAI shuffled its whole passage file; the Hub's bookcorpus has one sentence per row, in book order. A batch
+    of 512 passages of 8 rows must come from as many books as a full shuffle of the passages gives: ~291 of these 400
+    (a stream through a 10,000-passage shuffle buffer gave ~99 here; on bookcorpus 13-52 instead of ~500)."""
+    books, book_rows, passage_rows, batch, batches = 400, 800, 8, 512, 4
+    rows = [f"book {book} sentence {row} ." for book in range(books) for row in range(book_rows)]
+    for shard in range(4):  # Parquet files under data/, as the Hub serves a dataset
+        write_parquet(tmp_path / "books" / "data" / f"train-{shard:05d}-of-00004.parquet",
+                      {"text": rows[shard * len(rows) // 4 : (shard + 1) * len(rows) // 4]})  # fmt: skip
+    texts = rlhf_data.QueryTexts(str(tmp_path / "books"), None, "text", passage_rows)
+    passages = list(itertools.islice(texts.epoch(0, seed=1, rank=0, world_size=1), batch * batches))
+    starts = [(int(text.split()[1]), int(text.split()[3])) for text in passages]  # (book, sentence) of its first row
+    for text, (b, s) in zip(passages, starts, strict=True):  # passage i is rows [8i, 8i + 8), joined
+        assert s % passage_rows == 0 and text == " ".join(f"book {b} sentence {s + i} ." for i in range(passage_rows))
+    ours = np.mean([len({b for b, _ in starts[i : i + batch]}) for i in range(0, len(starts), batch)])
+    per_book = book_rows // passage_rows
+    shuffled = np.random.default_rng(0).permutation(books * per_book)[: batch * batches] // per_book  # their books
+    full = np.mean([len(set(shuffled[i : i + batch])) for i in range(0, len(shuffled), batch)])
+    assert full > 280 and ours >= 0.9 * full, (ours, full)
 
 
 @pytest.fixture
@@ -119,7 +148,7 @@ def hub(tmp_path, monkeypatch):
         return real(str(layout[path, revision]), *args, **kwargs)
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    monkeypatch.setattr(run_utils, "check_source", lambda value, flag: None)  # the Hub is "reachable"
+    monkeypatch.setattr(rlhf_data, "check_source", lambda value, flag: None)  # the Hub is "reachable"
     return calls, rows
 
 
@@ -127,11 +156,16 @@ def test_a_hub_dataset_with_a_loading_script_is_read_from_its_parquet_conversion
     calls, rows = hub
     task = books_task()  # the default: bookcorpus/bookcorpus, passages of 8 rows
     assert task.query_dataset == "bookcorpus/bookcorpus"
-    texts = run_utils.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
+    texts = rlhf_data.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
     assert [call[2] for call in calls] == [None, "refs/convert/parquet"]  # main refused, then the conversion
+    assert len(texts) == 75 and texts[74] == " ".join(rows[592:])  # 600 rows, 8 to a passage
+    epochs = [list(texts.epoch(0, seed=1, rank=rank, world_size=3)) for rank in range(3)]
+    assert sorted(sum(epochs, [])) == sorted(texts[i] for i in range(75))  # each text once, in one process's part
+    assert list(texts.epoch(0, 1, rank=2, world_size=3, start=5)) == epochs[2][5:]  # resumed: skips what it used
+    assert list(texts.epoch(1, 1, rank=2, world_size=3)) != epochs[2]  # a new order each epoch
     streams = [R.QueryStream(texts, tokenizer, task, PAD, seed=1, rank=rank, world_size=2) for rank in (0, 1)]
     batches = [stream.next_batch(20) for stream in streams]
-    corpus = tokenizer.encode(R.clean_query_text(" ".join(rows), "sentiment"))
+    corpus = tokenizer.encode(rlhf_data.clean_query_text(" ".join(rows), "sentiment"))
     for query in batches[0].tolist() + batches[1].tolist():
         tokens = [t for t in query if t != PAD]
         starts = contains_at(corpus, tokens)  # empty if the query is not text of the corpus: all() alone would pass
@@ -148,7 +182,7 @@ def test_a_hub_dataset_of_parquet_files_loads_its_configuration(hub, tokenizer):
     calls, _ = hub
     task = books_task("--task.name", "cnndm")
     assert (task.query_dataset, task.query_dataset_config) == ("abisee/cnn_dailymail", "3.0.0")
-    texts = run_utils.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
+    texts = rlhf_data.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
     assert calls == [("abisee/cnn_dailymail", ("3.0.0",), None, None)]
     task.query_length = 8
     queries = R.QueryStream(texts, tokenizer, task, PAD, seed=0).next_batch(3)
@@ -156,11 +190,20 @@ def test_a_hub_dataset_of_parquet_files_loads_its_configuration(hub, tokenizer):
 
 
 def test_a_missing_hub_dataset_is_a_one_line_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(run_utils, "check_source", lambda value, flag: None)
+    monkeypatch.setattr(rlhf_data, "check_source", lambda value, flag: None)
     with pytest.raises(SystemExit) as failure:
-        run_utils.QueryTexts(str(tmp_path / "nowhere" / "at-all"), None, "text")
+        rlhf_data.QueryTexts(str(tmp_path / "nowhere" / "at-all"), None, "text")
     message = str(failure.value)
     assert message.startswith("error: --task.query-dataset") and "cannot load it" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("field, problem", [("title", "is not a column of"), ("label", "holds Value('int64'")])
+def test_a_query_field_that_is_not_a_text_column_is_a_one_line_error(tmp_path, field, problem):
+    write_parquet(tmp_path / "reviews" / "data" / "train-00000-of-00001.parquet", {"text": ["Fine."], "label": [1]})
+    with pytest.raises(SystemExit) as failure:
+        rlhf_data.QueryTexts(str(tmp_path / "reviews"), None, field)
+    message = str(failure.value)
+    assert message.startswith(f"error: --task.query-field {field!r}") and problem in message and "\n" not in message
 
 
 def test_label_files_come_from_a_directory_laid_out_like_the_hub_repo(tmp_path, tiny_assets):

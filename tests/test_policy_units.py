@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from conftest import REPO
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-import run_utils
+import rlhf_data
 import train_policy_accelerate as P
 
 PAD = 50257  # GPT-2's [PAD]: one past the 50257-token vocabulary
@@ -591,7 +591,7 @@ def test_held_out_queries_keep_every_text_read_for_them_out_of_training(gpt2_tok
     tokenizer.add_special_tokens({"pad_token": "[PAD]"})
     lines = [f"Sentence {i} has no period" if i % 3 == 0 else f"Sentence {i} ends here." for i in range(60)]
     (tmp_path / "queries.txt").write_text("\n".join(lines) + "\n")
-    texts = run_utils.QueryTexts(str(tmp_path / "queries.txt"), None, "text")
+    texts = rlhf_data.QueryTexts(str(tmp_path / "queries.txt"), None, "text")
     task = P.TaskHParams(query_length=8, end_text=".", query_prefix="", query_suffix="")
     queries, contexts, held_out = P.held_out_queries(texts, tokenizer, task, 8)
     assert contexts.shape == queries.shape == (8, 8)

@@ -25,7 +25,7 @@ from transformers import (
     LlamaModel,
 )
 
-import run_utils
+import rlhf_data
 import train_policy_accelerate as P
 import train_reward_accelerate as R
 
@@ -580,11 +580,11 @@ def test_query_from_text_start_and_end_text(tokenizer):
     assert R.query_from_text(tokenizer, [], R.TaskHParams(query_length=4), PAD) is None  # empty text
 
 
-def query_texts(tmp_path, lines: list[str], rows_per_text: int = 1) -> run_utils.QueryTexts:
+def query_texts(tmp_path, lines: list[str], rows_per_text: int = 1) -> rlhf_data.QueryTexts:
     """The query texts of a local one-text-per-line file holding `lines`."""
     path = tmp_path / "queries.txt"
     path.write_text("\n".join(lines) + "\n")
-    return run_utils.QueryTexts(str(path), None, "text", rows_per_text)
+    return rlhf_data.QueryTexts(str(path), None, "text", rows_per_text)
 
 
 def test_query_from_text_keeps_a_text_whose_first_start_text_is_its_last_token(tokenizer):

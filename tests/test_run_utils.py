@@ -1,6 +1,6 @@
 """run_utils.py: the run tooling both scripts import. It must hold no algorithm (no model, no backward, no
-generation) and import nothing from the scripts; its helpers are tested here on fakes, the scripts' use of them by
-the end-to-end and resume tests."""
+generation) and import nothing from the scripts or from rlhf_data.py (the data they read, which imports run_utils);
+its helpers are tested here on fakes, the scripts' use of them by the end-to-end and resume tests."""
 
 import ast
 import json
@@ -16,17 +16,29 @@ import run_utils
 import train_policy_accelerate
 
 
+def imported_modules(path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    return imported + [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+
+
 def test_run_utils_holds_no_algorithm_and_imports_no_script():
     tree = ast.parse((REPO / "run_utils.py").read_text())
-    imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
-    imported += [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
-    assert not [name for name in imported if name.startswith(("train_", "quickstart"))], imported
+    imported = imported_modules(REPO / "run_utils.py")
+    assert not [name for name in imported if name.startswith(("train_", "quickstart", "rlhf_data"))], imported
     bases = [ast.unparse(base) for node in ast.walk(tree) if isinstance(node, ast.ClassDef) for base in node.bases]
     assert not [base for base in bases if "Module" in base or "Optimizer" in base], bases
     calls = [
         node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
     ]
     assert "backward" not in calls and "generate" not in calls and "step" not in calls
+
+
+def test_rlhf_data_prepares_data_without_tensors_and_imports_no_script():
+    """rlhf_data.py reads and cleans texts and label files; every tensor operation stays in the scripts."""
+    imported = imported_modules(REPO / "rlhf_data.py")
+    assert "run_utils" in imported, imported
+    assert not [name for name in imported if name.startswith(("train_", "quickstart", "torch"))], imported
 
 
 class FakeAccelerator:

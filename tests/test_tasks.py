@@ -14,7 +14,7 @@ import tyro
 from conftest import REPO, read_jsonl, run_script, synthetic_sentences
 from transformers import GPT2Config, GPT2LMHeadModel
 
-import run_utils
+import rlhf_data
 import train_policy_accelerate as P
 import train_reward_accelerate as R
 
@@ -195,16 +195,17 @@ def test_the_scripts_task_tables_match_openais():
          "story-file", "by-in-a-sentence", "late-cnn", "whitespace"],
 )  # fmt: skip
 def test_cnndm_clean_up_of_crafted_articles(article, expected):
-    assert R.clean_query_text(article, "cnndm") == expected
+    assert rlhf_data.clean_query_text(article, "cnndm") == expected
 
 
 def test_tldr_texts_are_normalized_and_tokenized_book_rows_joined_back():
+    clean = rlhf_data.clean_query_text
     text = "  I (25F) said \u201chi\u201d.\r\n\r\n\r\nTL;DR he didn\u2019t  "
-    assert R.clean_query_text(text, "tldr") == 'I (25F) said "hi".\n\nTL;DR he didn\'t'
-    assert R.clean_query_text(text, "sentiment") == R.clean_query_text(text, "descriptiveness") == text  # running text
+    assert clean(text, "tldr") == 'I (25F) said "hi".\n\nTL;DR he didn\'t'
+    assert clean(text, "sentiment") == clean(text, "descriptiveness") == text  # running text
     row = "usually , he would n't go . `` hello , '' she said ( twice ) . it 's fine !"  # a Hub bookcorpus row
-    assert R.clean_query_text(row, "sentiment") == "usually, he wouldn't go. \"hello,\" she said (twice). it's fine!"
-    assert R.clean_query_text("(CNN) -- By . X . text", "tldr") == "(CNN) -- By . X . text"  # cnndm only
+    assert clean(row, "sentiment") == "usually, he wouldn't go. \"hello,\" she said (twice). it's fine!"
+    assert clean("(CNN) -- By . X . text", "tldr") == "(CNN) -- By . X . text"  # cnndm only
 
 
 @pytest.fixture(scope="module")
@@ -263,9 +264,9 @@ def tiny_lm(seed: int) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16)).eval()
 
 
-def query_texts(tmp_path, lines: list[str]) -> run_utils.QueryTexts:
+def query_texts(tmp_path, lines: list[str]) -> rlhf_data.QueryTexts:
     (tmp_path / "queries.txt").write_text("\n".join(lines) + "\n")
-    return run_utils.QueryTexts(str(tmp_path / "queries.txt"), None, "text")
+    return rlhf_data.QueryTexts(str(tmp_path / "queries.txt"), None, "text")
 
 
 def summarization_stream(tokenizer, query_length: int, tmp_path) -> R.QueryStream:

@@ -1,0 +1,183 @@
+"""The data the scripts read: query texts as OpenAI's `lm_human_preferences/datasets/` made them (books.py,
+tldr.py, cnndm.py: passages of a book corpus, cleaned Reddit posts and news articles), from a local file or a Hub
+dataset, and the human label files as OpenAI's `label_types.py` read them (best-of-N records of token ids).
+
+Data preparation only: the tensor operations that turn texts into queries (`query_from_text`, `QueryStream`) are in
+the scripts that use them. Both scripts import this module; it imports run_utils for its one-line errors and input
+checks, and run_utils does not import it.
+"""
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from run_utils import check_source, console, fail, first_line, flag_errors, require_package
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# query texts: a local file or a Hub dataset, cleaned like OpenAI's
+def clean_query_text(text: str, task_name: str) -> str:
+    """Texts as OAI's queries were made of. Books: Hub `bookcorpus` is tokenized text (lower-cased, a space before
+    punctuation, `` and '' for quotes); joined back like running text (OAI's passages were), its sentences end in
+    the '.' token that OAI's start and end text look for. Summarization: OAI's clean-up (datasets/tldr.py, cnndm.py).
+
+    Summarization: straight quotes (OAI: ftfy), Unix newlines, at most one empty line in a row, no surrounding whitespace.
+    cnndm also cuts at "@highlight" and drops the header before the story: the byline ("By . NAME ." in the Hub's
+    `cnn_dailymail`, whose loader joins lines with spaces and ends them with " ."; "By\\nNAME\\n" in .story files),
+    the Daily Mail date lines up to the last "PUBLISHED:/UPDATED: 15:36 EST, 25 October 2013" and the CNN dateline
+    up to "(CNN) --" (in the first 100 characters, like OAI)."""
+    if task_name not in ("tldr", "cnndm"):
+        text = text.replace("`` ", '"').replace(" ''", '"').replace("( ", "(")
+        return re.sub(r" (?=[.,!?;:)]|n't\b|'(?:s|re|ve|ll|d|m)\b)", "", text)
+    if task_name == "cnndm":
+        text = text.split("@highlight")[0]
+        text = re.sub(r"^\s*By(?: \. .{0,80}? \. |\s*\n[^\n]*\n)", "", text)
+        date = r"(?:PUBLISHED:|UPDATED:|Last updated at)[\s.]*\d{1,2}:\d{2}.*?\b(?:19|20)\d{2}\b[\s.|]*"
+        headers = list(re.finditer(date, text[:500]))
+        text = text[headers[-1].end() :] if headers else text
+        text = re.sub(r"^[\s\S]{0,100}\(CNN\)\s*(?:--)?", "", text)
+    text = text.translate(str.maketrans("\u2018\u2019\u201c\u201d", "''\"\"")).replace("\r\n", "\n")
+    return re.sub(r"\n{3,}", "\n\n", text).strip()
+
+
+def join_rows(rows: list[str]) -> str:
+    """Consecutive rows (sentences) as one text, empty rows left out."""
+    return " ".join(row for row in rows if row)
+
+
+class QueryTexts:
+    """The query texts of --task.query-dataset: text i is rows [i * rows_per_text, (i + 1) * rows_per_text) joined
+    (Hub `bookcorpus` has one sentence per row, in book order; OAI's queries were multi-sentence passages), and each
+    epoch reads every text once, in a seeded order of all of them, as OAI shuffled its whole passage file.
+
+    A local .txt (one row per line), .jsonl or .json (a list of objects) file is read into memory. A Hub dataset (or
+    a local directory laid out like one) costs a one-time download of the whole dataset into the `datasets` cache,
+    as memory-mapped Arrow files that texts are read from when needed, never held in memory (bookcorpus: its Parquet
+    files, then 4.85 GB of Arrow for 74M rows, by its dataset card). A stream cannot shuffle like OAI: bookcorpus's
+    74M sentences are 11,038 books in order (Zhu et al. 2015; ~840 passages each), so a 10,000-passage shuffle buffer
+    holds ~12 books and a batch of 512 came from 13-15 books at first, ~52 later (a simulation of that buffer),
+    against ~500 for a full shuffle (tests/test_data.py counts books per batch on a small dataset in book order).
+    Every process loads it: `datasets` prepares the cache under a file lock, so one process downloads and converts
+    it, and the others then read its files."""
+
+    def __init__(self, name: str, config: Optional[str], field: str, rows_per_text: int = 1):
+        self.name, self.config, self.field, self.rows_per_text = name, config, field, rows_per_text
+        self.rows = self.read_file() if os.path.isfile(name) else self.read_dataset()
+
+    def __len__(self) -> int:
+        return len(self.rows) // self.rows_per_text
+
+    def __getitem__(self, index: int) -> str:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        first = int(index) * self.rows_per_text
+        return join_rows(self.rows[first : first + self.rows_per_text])
+
+    def read_file(self) -> list[str]:
+        path, flag = self.name, "--task.query-dataset"
+        with flag_errors(flag, path, "cannot read it"):
+            content = Path(path).read_text(encoding="utf-8")
+        if path.endswith((".json", ".jsonl")):
+            try:
+                rows = [json.loads(line) for line in content.splitlines() if line.strip()]
+                rows = rows[0] if path.endswith(".json") and len(rows) == 1 and isinstance(rows[0], list) else rows
+            except json.JSONDecodeError as error:
+                try:  # a .json file with a list spread over several lines
+                    rows = json.loads(content)
+                except json.JSONDecodeError:
+                    fail(f"{flag} {path!r}: not JSON lines or a JSON list ({first_line(error)})")
+            if not all(isinstance(row, dict) and self.field in row for row in rows):
+                fail(f"--task.query-field {self.field!r} is not a field of every record of {path}")
+            return [str(row[self.field]) for row in rows]
+        return content.splitlines()
+
+    def read_dataset(self):
+        """The Hub dataset's rows of `field`, a column of the cached Arrow files read when sliced. A repo that still
+        ships a loading script (refused by `datasets` >= 4, e.g. bookcorpus/bookcorpus, webis/tldr-17) is read from
+        the Hub's automatic Parquet conversion instead (revision refs/convert/parquet; there, a configuration is a
+        directory)."""
+        require_package("datasets", "datasets", f"--task.query-dataset {self.name!r} (a Hub dataset or directory)")
+        import datasets
+
+        datasets.disable_progress_bars()
+        flag = f"--task.query-dataset {self.name!r} (--task.query-dataset-config {self.config!r})"
+        check_source(self.name, "--task.query-dataset")
+        console.print(f"{self.name}: read through the datasets cache (the first run fills it with the whole dataset)")
+        try:
+            try:
+                dataset = datasets.load_dataset(self.name, self.config, split="train")
+            except RuntimeError as error:  # "Dataset scripts are no longer supported, but found NAME.py"
+                if "scripts are no longer supported" not in str(error):
+                    raise
+                console.print(f"{self.name} ships a loading script: reading the Hub's Parquet conversion of it")
+                dataset = datasets.load_dataset(self.name, split="train", revision="refs/convert/parquet",
+                                                data_dir=self.config)  # fmt: skip
+        except Exception as error:  # datasets, fsspec and httpx raise their own types for a missing repo or network
+            fail(f"{flag}: cannot load it ({type(error).__name__}: {first_line(error)})")
+        if self.field not in dataset.column_names:
+            fail(f"--task.query-field {self.field!r} is not a column of {self.name} (columns: {dataset.column_names})")
+        feature = dataset.features[self.field]
+        if getattr(feature, "dtype", None) not in ("string", "large_string"):
+            fail(f"--task.query-field {self.field!r} of {self.name} holds {feature}, not text")
+        return dataset[self.field]
+
+    def epoch(self, epoch: int, seed: int, rank: int, world_size: int, start: int = 0):
+        """This process's texts of one epoch in a seeded order that all processes share (process r takes every
+        world_size-th), from the `start`-th on."""
+        order = np.random.default_rng([seed, epoch]).permutation(len(self))[rank::world_size]
+        return (self[i] for i in order[start:])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# label files
+LABEL_ANSWER_KEYS = (("score", "scalar_rating"), ("difference", "scalar_compare"), ("choice", "pairwise"))
+"""OAI's label_types.py tells label types by their answer key; best-of-N records answer with `best`."""
+
+
+def read_label_records(path: str, lengths: dict[str, int], vocab_size: int, pad_ids: tuple, num_samples: int) -> list:
+    """Read and check a best-of-N label file (OAI's schema: a JSON list of {query, sample0..sample{N-1}, best}, token
+    ids); every problem is one line naming the file and the record."""
+    flag = "--label-dataset"
+    try:
+        records = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        fail(f"{flag} {path}: not a readable JSON file ({first_line(error)})")
+    if not isinstance(records, list):
+        fail(f"{flag} {path}: expected a JSON list of label records, got {type(records).__name__}")
+    expected = f"best-of-{num_samples} records need query, {', '.join(k for k in lengths if k != 'query')}, best"
+    for index, record in enumerate(records):
+        where = f"{flag} {path}: record {index}"
+        if not isinstance(record, dict):
+            fail(f"{where} is not an object")
+        indices = [int(key[6:]) for key in record if key.startswith("sample") and key[6:].isdigit()]
+        kind = next((kind for key, kind in LABEL_ANSWER_KEYS if key in record and "best" not in record),
+                    f"best_of_{max(indices, default=num_samples - 1) + 1}")  # fmt: skip
+        if kind != f"best_of_{num_samples}":
+            fail(f"{where}: label type {kind} not supported (keys: {', '.join(sorted(record))}); {expected}")
+        for key, length in lengths.items():
+            if key not in record:
+                fail(f"{where} has no {key!r} ({expected})")
+            if not isinstance(record[key], list) or len(record[key]) != length:
+                fail(
+                    f"{where}: {key!r} must be a list of {length} token ids (--task.query-length/--task.response-length)"
+                )
+        if not isinstance(record.get("best"), int) or not 0 <= record["best"] < num_samples:
+            fail(f"{where}: 'best' must be an integer in 0..{num_samples - 1}, got {record.get('best')!r}")
+    tokens = np.asarray([[t for key in lengths for t in record[key]] for record in records] or [[0]])
+    keys = [key for key, length in lengths.items() for _ in range(length)]  # the record key of each column
+    if tokens.dtype.kind not in "iub":  # a float, string or null somewhere
+        index, column = next(
+            (i, j) for i, row in enumerate(tokens.tolist()) for j, t in enumerate(row) if type(t) is not int
+        )
+        fail(f"{flag} {path}: record {index}: {keys[column]!r} has token id {tokens[index][column]!r}, not an integer")
+    bad = ~(((tokens >= 0) & (tokens < vocab_size)) | np.isin(tokens, pad_ids))
+    if bad.any():
+        index = int(bad.any(1).argmax())
+        column = int(bad[index].argmax())
+        fail(f"{flag} {path}: record {index}: {keys[column]!r} has token id {tokens[index][column]} outside the "
+             f"vocabulary of {vocab_size} tokens")  # fmt: skip
+    return records
