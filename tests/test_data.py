@@ -33,7 +33,7 @@ def book_sentences(n: int) -> list[str]:
 
 
 def books_task(*flags: str) -> R.TaskHParams:
-    return R.validate_args(tyro.cli(R.Args, args=["--labels.num-train", "32", *flags])).task
+    return R.validate_args(run_utils.task_cli(R.task_defaults, ["--labels.num-train", "32", *flags])).task
 
 
 def contains_at(haystack: list[int], needle: list[int]) -> list[int]:
