@@ -242,6 +242,9 @@ def test_help_renders(help_outputs, kind, flags):
         assert flag in stdout, flag
     for derived in ("--world-size", "--local-batch-size", "--num-updates", "--run-name"):
         assert derived not in stdout, f"derived value {derived} shown in --help"
+    # only the flags whose default means "not set" (the output dir, the wandb entity, the Hub repo, the peak FLOPS,
+    # the dataset configuration; the policy's reward model and gold labeler): every other default is its value
+    assert stdout.count("(default: None)") == {"reward": 5, "policy": 7}[kind]
 
 
 # ---------------------------------------------------------------------------------------------------------------

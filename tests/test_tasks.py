@@ -1,10 +1,11 @@
-"""OpenAI's four tasks (launch.py): `--task.name` sets every per-task default in both scripts,
+"""OpenAI's four tasks (launch.py): `--task.name` sets every per-task default in both scripts (`--help` shows them),
 explicit flags win, the summarization texts are cleaned like OpenAI's, the policy reads prefix ⊕ query ⊕ suffix while
 the reward model reads the bare query, label files of the summarization shape load, and a tiny tldr run goes end to
 end (offline)."""
 
 import dataclasses
 import json
+import re
 import types
 from pathlib import Path
 
@@ -92,6 +93,32 @@ def test_the_default_task_is_sentiment_and_the_truncate_tokens_are_single_gpt2_t
     assert tokenizer.encode("\n\nTL;DR:") == [NEWLINE, NEWLINE, TL, 26, 7707, 25]
 
 
+def test_task_defaults_are_what_the_command_line_gives():
+    """Tests and programs that build Args for a task get exactly what `--task.name` gives a user."""
+    for module in (R, P):
+        for task in TASKS:
+            assert module.task_defaults(task) == run_utils.task_cli(module.task_defaults, ["--task.name", task])
+            assert module.task_defaults(task) == run_utils.task_cli(module.task_defaults, [f"--task.name={task}"])
+        assert module.task_defaults() == module.Args() == run_utils.task_cli(module.task_defaults, [])
+        with pytest.raises(SystemExit):  # an unknown task is tyro's error, not a silent books run
+            run_utils.task_cli(module.task_defaults, ["--task.name", "books"])
+
+
+def test_an_explicit_flag_equal_to_the_books_default_still_wins(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    policy = policy_args("--task.name", "tldr", "--task.response-length", "24", "--task.truncate-after", "16",
+                         "--ppo.batch-size", "512", "--rewards.use-adaptive-kl", "--task.query-dataset",
+                         "bookcorpus/bookcorpus")  # fmt: skip
+    assert (policy.task.response_length, policy.task.truncate_after, policy.ppo.batch_size) == (24, 16, 512)
+    assert (policy.rewards.use_adaptive_kl, policy.task.query_dataset) == (True, "bookcorpus/bookcorpus")
+    assert (policy.task.query_length, policy.ppo.lr, policy.rewards.kl_coef) == (500, 2e-6, 0.03)  # the task's
+    reward = reward_args("--task.name", "cnndm", "--batch-size", "32", "--lr", "5e-5", "--labels.num-train", "4992",
+                         "--task.temperature", "0.7", "--task.query-prefix", "")  # fmt: skip
+    assert (reward.batch_size, reward.lr, reward.labels.num_train) == (32, 5e-5, 4992)
+    assert (reward.task.temperature, reward.task.query_prefix) == (0.7, "")
+    assert (reward.rollout_batch_size, reward.task.response_length) == (128, 75)  # the task's
+
+
 def test_explicit_flags_override_the_task_defaults(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     policy = policy_args("--task.name", "tldr", "--ppo.batch-size", "64", "--rewards.kl-coef", "0.05",
@@ -124,6 +151,61 @@ def test_summarization_batches_are_checked_against_the_number_of_processes(monke
     with pytest.raises(SystemExit) as failure:
         policy_args("--task.name", "cnndm")
     assert "--ppo.batch-size" in one_line_error(failure)
+
+
+def help_defaults(module, capsys, *flags: str) -> dict[str, str]:
+    """flag -> the default that `SCRIPT *flags --help` shows for it (parsed as the script's last line parses)."""
+    with pytest.raises(SystemExit):
+        run_utils.task_cli(module.task_defaults, [*flags, "--help"])
+    entries, flag = {}, None
+    for line in capsys.readouterr().out.splitlines():
+        text = line.strip("│ ")
+        if text.startswith("--") and len(line.lstrip("│")) - len(line.lstrip("│ ")) < 4:  # a flag, not its help
+            flag = text.split()[0].rstrip(",")
+            entries[flag] = ""
+        elif flag is not None:
+            entries[flag] += " " + text
+    defaults = {flag: re.findall(r"\(default: ([^()]*)\)", text) for flag, text in entries.items()}
+    return {flag: found[-1] for flag, found in defaults.items() if found}
+
+
+def oai_flags(module, task: str) -> dict[str, object]:
+    """flag -> OAI's value for `task` in `module`'s script, from the tables above."""
+    values = {f"--task.{key.replace('_', '-')}": value for key, value in OAI_TASK[task].items()}
+    if module is R:
+        flags = ("--label-dataset", "--labels.num-train", "--batch-size", "--lr", "--rollout-batch-size")
+        return values | dict(zip(flags, OAI_REWARD[task], strict=True))
+    flags = ("--ppo.batch-size", "--ppo.lr", "--rewards.kl-coef", "--rewards.use-adaptive-kl", "--ppo.whiten-rewards")
+    return values | dict(zip(flags, OAI_PPO[task], strict=True))
+
+
+TASK_FLAGS = {"sentiment": [], "descriptiveness": ["--task.name", "descriptiveness"], "tldr": ["--task.name", "tldr"],
+              "cnndm": ["--task.name=cnndm"]}  # fmt: skip
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("module", [R, P], ids=["reward", "policy"])
+def test_help_shows_the_tasks_defaults(module, task, capsys):
+    """`--help` shows the books tasks' values (24-token responses), `--task.name tldr --help` tldr's (75)."""
+    shown = help_defaults(module, capsys, *TASK_FLAGS[task])
+    assert shown["--task.name"] == task and shown["--task.response-length"] == str(OAI_TASK[task]["response_length"])
+    expected = oai_flags(module, task)
+    assert len(expected) == 18
+    for flag, value in expected.items():
+        if "\n" not in str(value):  # such a string spans help lines; the parse test above checks it
+            assert shown[flag] in (str(value), repr(value)), (flag, shown[flag], value)
+
+
+NONE_BY_DESIGN = {"--wandb-entity", "--output-dir", "--peak-tflops", "--hf-repo-id", "--task.query-dataset-config"}
+"""The flags whose default is really None (not set), in both scripts; the policy adds two."""
+
+
+@pytest.mark.parametrize("module", [R, P], ids=["reward", "policy"])
+def test_help_shows_none_only_where_none_is_meant(module, capsys):
+    shown = help_defaults(module, capsys)
+    assert len(shown) > 40 and shown["--seed"] == "1"
+    extra = {"--rewards.trained-model", "--task.gold-labeler"} if module is P else set()
+    assert {flag for flag, default in shown.items() if default == "None"} == NONE_BY_DESIGN | extra
 
 
 # ---------------------------------------------------------------------------------------------------------------
