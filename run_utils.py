@@ -77,7 +77,7 @@ class RunArgs:
     upload_model: bool = False
     """push the trained model directory to the Hugging Face Hub as --hf-repo-id (access is checked before training)"""
     hf_repo_id: Optional[str] = None
-    """Hub repo for --upload-model (default: the run name)"""
+    """Hub repo for --upload-model; the run name when not given"""
     world_size: tyro.conf.Suppress[Optional[int]] = None
     micro_batch_size: tyro.conf.Suppress[Optional[int]] = None
     run_name: tyro.conf.Suppress[Optional[str]] = None
