@@ -560,12 +560,11 @@ def script_environment(threads: int) -> dict[str, str]:
 def policy_held_out_texts(policy_flags: Sequence[str]) -> tuple[list[str], frozenset[str]]:
     """The policy's query texts and those it keeps out of training for its held-out evaluation, computed with the
     policy script's own code and flags, so the answer is exactly the script's."""
-    import tyro
-
     import rlhf_data
+    import run_utils
     import train_policy_accelerate as policy_script
 
-    args = policy_script.validate_args(tyro.cli(policy_script.Args, args=list(policy_flags)))
+    args = policy_script.validate_args(run_utils.task_cli(policy_script.task_defaults, policy_flags))
     tokenizer = policy_script.load_tokenizer(args.base_model, "--base-model")
     task = args.task
     texts = rlhf_data.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)

@@ -20,7 +20,7 @@ import socket
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal, NoReturn, Optional
 from urllib.parse import urlparse
@@ -77,7 +77,7 @@ class RunArgs:
     upload_model: bool = False
     """push the trained model directory to the Hugging Face Hub as --hf-repo-id (access is checked before training)"""
     hf_repo_id: Optional[str] = None
-    """Hub repo for --upload-model (default: the run name)"""
+    """Hub repo for --upload-model; the run name when not given"""
     world_size: tyro.conf.Suppress[Optional[int]] = None
     micro_batch_size: tyro.conf.Suppress[Optional[int]] = None
     run_name: tyro.conf.Suppress[Optional[str]] = None
@@ -130,16 +130,28 @@ def require_package(module: str, package: str, option: str) -> None:
         fail(f"{option} needs the {package} package: pip install {package}")
 
 
-def fill_defaults(config, defaults: dict) -> None:
-    """Give every field of `config` still at None (its flag not given) the task's default; `defaults` maps field
-    paths relative to `config` (e.g. "ppo.lr") to values."""
-    for path, value in defaults.items():
-        *parents, name = path.split(".")
-        owner = config
-        for parent in parents:
-            owner = getattr(owner, parent)
-        if getattr(owner, name) is None:
-            setattr(owner, name, value)
+def replace_fields(config, values: dict):
+    """A copy of the dataclass `config` with each field path of `values` ("ppo.lr" -> 2e-6) replaced; a path that is
+    no field raises (dataclasses.replace)."""
+    for path, value in values.items():
+        name, _, rest = path.partition(".")
+        config = replace(config, **{name: replace_fields(getattr(config, name), {rest: value}) if rest else value})
+    return config
+
+
+def task_cli(task_defaults, args: Optional[list[str]] = None):
+    """tyro.cli over `task_defaults(name)`, a script's Args at the defaults of the `--task.name` on the command line
+    (read first): `--task.name tldr --help` shows tldr's defaults, and a flag given wins over them, even one equal to
+    the books tasks' value."""
+    args = sys.argv[1:] if args is None else list(args)
+    name = None
+    for i, flag in enumerate(args):
+        if flag == "--task.name" and i + 1 < len(args):
+            name = args[i + 1]
+        elif flag.startswith("--task.name="):
+            name = flag.removeprefix("--task.name=")
+    default = task_defaults(name)
+    return tyro.cli(type(default), default=default, args=args)
 
 
 def check_run_args(args) -> None:

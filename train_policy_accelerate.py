@@ -55,12 +55,10 @@ class AdaptiveKLParams:
 class RewardHParams:
     trained_model: Optional[str] = None
     """reward model directory written by train_reward_accelerate.py (OUTPUT_DIR/reward_model); required"""
-    kl_coef: Optional[float] = None
-    """initial coefficient of the per-token KL penalty, beta (per task: sentiment/descriptiveness 0.15, tldr 0.03,
-    cnndm 0.01)"""
-    use_adaptive_kl: Optional[bool] = None
-    """adapt kl_coef towards adaptive_kl.target; False keeps it fixed (per task: sentiment/descriptiveness True,
-    tldr/cnndm False)"""
+    kl_coef: float = 0.15
+    """initial coefficient of the per-token KL penalty, beta"""
+    use_adaptive_kl: bool = True
+    """adapt kl_coef towards adaptive_kl.target; False keeps it fixed"""
     adaptive_kl: AdaptiveKLParams = field(default_factory=AdaptiveKLParams)
 
 
@@ -68,16 +66,16 @@ class RewardHParams:
 class PpoHParams:
     total_episodes: int = 1_000_000
     """episodes (query + response pairs) to train on; updates = ceil(total_episodes / batch_size)"""
-    batch_size: Optional[int] = None
-    """episodes per PPO update, over all processes (per task: sentiment/descriptiveness 512, tldr/cnndm 32)"""
+    batch_size: int = 512
+    """episodes per PPO update, over all processes"""
     nminibatches: int = 1
     """minibatches per PPO epoch (one optimizer step each)"""
     noptepochs: int = 4
     """PPO epochs over each batch"""
     gradient_accumulation_steps: int = 1
     """micro-batches per minibatch (memory knob; does not change the math)"""
-    lr: Optional[float] = None
-    """learning rate, annealed linearly to 0 per update (per task: sentiment/descriptiveness 1e-5, tldr/cnndm 2e-6)"""
+    lr: float = 1e-5
+    """learning rate, annealed linearly to 0 per update"""
     eps: float = 1e-5
     """Adam epsilon"""
     vf_coef: float = 0.1
@@ -90,9 +88,8 @@ class PpoHParams:
     """discount factor"""
     lam: float = 0.95
     """GAE lambda"""
-    whiten_rewards: Optional[bool] = None
-    """whiten the per-token rewards (without shifting their mean) before GAE (per task: sentiment/descriptiveness
-    True, tldr/cnndm False)"""
+    whiten_rewards: bool = True
+    """whiten the per-token rewards (without shifting their mean) before GAE"""
     whitening_ranks: int = 8
     """OAI ran on 8 MPI ranks, each shuffling its own share of the batch into minibatches and whitening rewards and
     advantages over its share of a minibatch: the batch is split into this many shares so that every number of
@@ -102,46 +99,35 @@ class PpoHParams:
 @dataclass
 class TaskHParams:
     name: Literal["sentiment", "descriptiveness", "tldr", "cnndm"] = "sentiment"
-    """OAI's task (launch.py): sets the default of every flag documented "per task" to this task's value"""
-    query_dataset: Optional[str] = None
-    """query texts: a Hugging Face Hub dataset name (streamed), or a local .txt (one text per line) / .json / .jsonl
-    file (per task: sentiment/descriptiveness 'bookcorpus/bookcorpus', tldr 'webis/tldr-17', cnndm
-    'abisee/cnn_dailymail')"""
+    """OAI's task (launch.py); it sets the defaults of the other flags to its own (`--task.name tldr --help`)"""
+    query_dataset: str = "bookcorpus/bookcorpus"
+    """query texts: a Hugging Face Hub dataset (streamed) or a local .txt (one text per line) / .json / .jsonl file"""
     query_dataset_config: Optional[str] = None
-    """configuration name of a Hub --task.query-dataset (per task: cnndm '3.0.0', the others none)"""
-    query_field: Optional[str] = None
-    """the field of each dataset row that holds the text (per task: sentiment/descriptiveness 'text', tldr 'content',
-    cnndm 'article')"""
-    passage_rows: Optional[int] = None
-    """consecutive rows of --task.query-dataset joined into one text (per task: sentiment/descriptiveness 8, as Hub
-    `bookcorpus` has one sentence per row, in book order, and OAI's queries were multi-sentence passages; tldr/cnndm
-    1)"""
-    query_length: Optional[int] = None
-    """tokens per query, without prefix and suffix (per task: sentiment/descriptiveness 64, tldr/cnndm 500; the
-    blog's code later regressed the books tasks to 24)"""
-    query_prefix: Optional[str] = None
-    """text put before every query in the policy's input; the reward model reads the bare query, as OAI's did (per
-    task: cnndm 'Article:\\n\\n', the others '')"""
-    query_suffix: Optional[str] = None
-    """text put after every (padded) query in the policy's input (per task: tldr/cnndm '\\n\\nTL;DR:', the others '')"""
-    start_text: Optional[str] = None
-    """a query starts after the first occurrence of this text; texts without it are skipped; '' for none (per task:
-    sentiment/descriptiveness '.', tldr/cnndm '')"""
-    end_text: Optional[str] = None
+    """configuration name of a Hub --task.query-dataset"""
+    query_field: str = "text"
+    """the field of each dataset row that holds the text"""
+    passage_rows: int = 8
+    """consecutive rows of --task.query-dataset joined into one text (Hub `bookcorpus` has one sentence per row, in
+    book order, and OAI's queries were multi-sentence passages)"""
+    query_length: int = 64
+    """tokens per query, without prefix and suffix (the blog's code later regressed the books tasks to 24)"""
+    query_prefix: str = ""
+    """text put before every query in the policy's input; the reward model reads the bare query, as OAI's did"""
+    query_suffix: str = ""
+    """text put after every (padded) query in the policy's input"""
+    start_text: str = "."
+    """a query starts after the first occurrence of this text; texts without it are skipped; '' for none"""
+    end_text: str = "."
     """a query is cut after the last occurrence of this text in its first query_length tokens; texts without it are
-    skipped; '' for none (per task: sentiment/descriptiveness '.', tldr/cnndm ''; OAI cnndm '\\n', but Hub
-    `cnn_dailymail` joins an article's paragraphs with spaces)"""
-    response_length: Optional[int] = None
-    """tokens sampled per response, never stopped early at EOS (per task: sentiment/descriptiveness 24, tldr/cnndm 75)"""
-    truncate_token: Optional[str] = None
-    """text of the token that ends a response after `truncate_after`, resolved with the tokenizer (per task:
-    sentiment/descriptiveness '.' (13 in GPT-2), tldr/cnndm '\\n' (198))"""
-    truncate_after: Optional[int] = None
-    """a response is cut after the first truncate token at response index >= this (per task:
-    sentiment/descriptiveness 16, tldr/cnndm 55)"""
-    temperature: Optional[float] = None
-    """sampling temperature; log-probs are always computed from logits divided by it (per task: cnndm 0.5, the
-    others 0.7)"""
+    skipped; '' for none"""
+    response_length: int = 24
+    """tokens sampled per response, never stopped early at EOS"""
+    truncate_token: str = "."
+    """text of the token that ends a response after `truncate_after`; it must be one token of the tokenizer"""
+    truncate_after: int = 16
+    """a response is cut after the first truncate token at response index >= this"""
+    temperature: float = 0.7
+    """sampling temperature; log-probs are always computed from logits divided by it"""
     penalty_reward_value: float = -1.0
     """score of a response with no truncate token at index >= truncate_after"""
     gold_labeler: Optional[Literal["sentiment", "descriptiveness"]] = None
@@ -193,33 +179,29 @@ SAMPLE_ROWS = 4  # rows of the sample table printed to the console
 RESUME_MAY_CHANGE = {"local_batch_size", "local_mini_batch_size", "micro_batch_size", "local_whitening_ranks"}
 """Per-process sizes a resumed run may recompute (the checkpoint's number of processes is checked instead)."""
 
-# OAI's tasks (launch.py books_task, summarize_tldr_task, summarize_cnndm_task): validate_args gives every
-# TaskHParams field left at None (its flag not given) the value of --task.name
-BOOKS_TASK = {"query_dataset": "bookcorpus/bookcorpus", "query_field": "text", "passage_rows": 8, "query_length": 64,
-              "response_length": 24, "query_prefix": "", "query_suffix": "", "start_text": ".", "end_text": ".",
-              "truncate_token": ".", "truncate_after": 16, "temperature": 0.7}  # fmt: skip
-SUMMARIZATION_TASK = {"passage_rows": 1, "query_length": 500, "response_length": 75, "query_prefix": "",
-                      "query_suffix": "\n\nTL;DR:", "start_text": "", "end_text": "", "truncate_token": "\n",
-                      "truncate_after": 55, "temperature": 0.7}  # fmt: skip
-TASK_DEFAULTS = {
-    "sentiment": BOOKS_TASK,
-    "descriptiveness": BOOKS_TASK,
-    "tldr": {**SUMMARIZATION_TASK, "query_dataset": "webis/tldr-17", "query_field": "content"},
-    "cnndm": {**SUMMARIZATION_TASK, "query_dataset": "abisee/cnn_dailymail", "query_dataset_config": "3.0.0",
-              "query_field": "article", "query_prefix": "Article:\n\n", "temperature": 0.5},
+# OAI's tldr and cnndm (launch.py summarize_tldr_task, summarize_cnndm_task, get_experiments) where they differ from
+# books_task, whose values are the fields' defaults: `--task.name X` makes TASK_OVERRIDES[X] the defaults (flags given
+# still win). OAI's cnndm end_text was '\n', but Hub `cnn_dailymail` joins an article's paragraphs with spaces.
+TLDR_OVERRIDES = {"task.query_dataset": "webis/tldr-17", "task.query_field": "content", "task.passage_rows": 1,
+                  "task.query_length": 500, "task.response_length": 75, "task.query_suffix": "\n\nTL;DR:",
+                  "task.start_text": "", "task.end_text": "", "task.truncate_token": "\n", "task.truncate_after": 55,
+                  "ppo.batch_size": 32, "ppo.lr": 2e-6, "ppo.whiten_rewards": False, "rewards.kl_coef": 0.03,
+                  "rewards.use_adaptive_kl": False}  # fmt: skip
+TASK_OVERRIDES = {
+    "sentiment": {},
+    "descriptiveness": {},
+    "tldr": TLDR_OVERRIDES,
+    "cnndm": {**TLDR_OVERRIDES, "task.query_dataset": "abisee/cnn_dailymail", "task.query_dataset_config": "3.0.0",
+              "task.query_field": "article", "task.query_prefix": "Article:\n\n", "task.temperature": 0.5,
+              "rewards.kl_coef": 0.01},
 }  # fmt: skip
 
-# OAI's PPO settings per task (launch.py get_experiments), for the Args left at None: the summarization tasks train
-# with a 16x smaller batch and a 5x smaller lr, a fixed KL coefficient and no reward whitening
-BOOKS_PPO = {"ppo.batch_size": 512, "ppo.lr": 1e-5, "ppo.whiten_rewards": True, "rewards.use_adaptive_kl": True}
-SUMMARIZATION_PPO = {"ppo.batch_size": 32, "ppo.lr": 2e-6, "ppo.whiten_rewards": False,
-                     "rewards.use_adaptive_kl": False}  # fmt: skip
-PPO_TASK_DEFAULTS = {
-    "sentiment": {**BOOKS_PPO, "rewards.kl_coef": 0.15},
-    "descriptiveness": {**BOOKS_PPO, "rewards.kl_coef": 0.15},
-    "tldr": {**SUMMARIZATION_PPO, "rewards.kl_coef": 0.03},
-    "cnndm": {**SUMMARIZATION_PPO, "rewards.kl_coef": 0.01},
-}
+
+def task_defaults(name: Optional[str] = None) -> Args:
+    """Args at OAI's defaults for task `name`: the fields' own (books_task's) with TASK_OVERRIDES[name] on top; a
+    name that is no task (or None) keeps the fields' own, and tyro rejects it."""
+    overrides = {"task.name": name, **TASK_OVERRIDES[name]} if name in TASK_OVERRIDES else {}
+    return run_utils.replace_fields(Args(), overrides)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -500,10 +482,7 @@ def decode(tokenizer, tokens: torch.Tensor) -> list[str]:
 # End of the shared pipeline.
 # ---------------------------------------------------------------------------------------------------------------------
 def validate_args(args: Args) -> Args:
-    """Fill in the task's defaults, derive every per-process size in one place and reject inconsistent flags before
-    anything is loaded."""
-    run_utils.fill_defaults(args.task, TASK_DEFAULTS[args.task.name])
-    run_utils.fill_defaults(args, PPO_TASK_DEFAULTS[args.task.name])
+    """Derive every per-process size in one place and reject inconsistent flags before anything is loaded."""
     run_utils.check_run_args(args)
     ppo, processes = args.ppo, args.world_size
     args.local_batch_size = run_utils.exact_div(ppo.batch_size, processes, "--ppo.batch-size / number of processes")
@@ -906,7 +885,7 @@ def save_policy(policy: PolicyAndValueWrapper, directory: Path, base_model: str)
 
 
 def main(args: Args) -> None:
-    args = validate_args(args)  # the task's defaults, derived sizes, flag checks
+    args = validate_args(args)  # derived sizes, flag checks
     tokenizer, texts = read_inputs(args)  # checked before any model loads
     if args.dry_run:
         keys = ("world_size", "local_batch_size", "local_mini_batch_size", "micro_batch_size", "num_updates")
@@ -1026,4 +1005,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(run_utils.task_cli(task_defaults))

@@ -44,9 +44,9 @@ import run_utils
 
 @dataclass
 class LabelHParams:
-    num_train: Optional[int] = None
+    num_train: int = 4992
     """number of label records to train on (the first ones of the file); the rest, cut to whole batches, is the
-    held-out test set (per task: sentiment/descriptiveness 4992, tldr/cnndm 46000)"""
+    held-out test set"""
     source: Literal["file", "sentiment", "descriptiveness"] = "file"
     """`file`: human labels from --label-dataset; `sentiment` / `descriptiveness`: make best-of-4 labels here by
     sampling 4 responses per query from the base model and letting a noisy simulated labeler pick (offline)"""
@@ -59,46 +59,35 @@ class LabelHParams:
 @dataclass
 class TaskHParams:
     name: Literal["sentiment", "descriptiveness", "tldr", "cnndm"] = "sentiment"
-    """OAI's task (launch.py): sets the default of every flag documented "per task" to this task's value"""
-    query_dataset: Optional[str] = None
-    """query texts: a Hugging Face Hub dataset name (streamed), or a local .txt (one text per line) / .json / .jsonl
-    file (per task: sentiment/descriptiveness 'bookcorpus/bookcorpus', tldr 'webis/tldr-17', cnndm
-    'abisee/cnn_dailymail')"""
+    """OAI's task (launch.py); it sets the defaults of the other flags to its own (`--task.name tldr --help`)"""
+    query_dataset: str = "bookcorpus/bookcorpus"
+    """query texts: a Hugging Face Hub dataset (streamed) or a local .txt (one text per line) / .json / .jsonl file"""
     query_dataset_config: Optional[str] = None
-    """configuration name of a Hub --task.query-dataset (per task: cnndm '3.0.0', the others none)"""
-    query_field: Optional[str] = None
-    """the field of each dataset row that holds the text (per task: sentiment/descriptiveness 'text', tldr 'content',
-    cnndm 'article')"""
-    passage_rows: Optional[int] = None
-    """consecutive rows of --task.query-dataset joined into one text (per task: sentiment/descriptiveness 8, as Hub
-    `bookcorpus` has one sentence per row, in book order, and OAI's queries were multi-sentence passages; tldr/cnndm
-    1)"""
-    query_length: Optional[int] = None
-    """tokens per query, without prefix and suffix (per task: sentiment/descriptiveness 64, tldr/cnndm 500; the
-    blog's code later regressed the books tasks to 24)"""
-    query_prefix: Optional[str] = None
-    """text put before every query in the policy's input; the reward model reads the bare query, as OAI's did (per
-    task: cnndm 'Article:\\n\\n', the others '')"""
-    query_suffix: Optional[str] = None
-    """text put after every (padded) query in the policy's input (per task: tldr/cnndm '\\n\\nTL;DR:', the others '')"""
-    start_text: Optional[str] = None
-    """a query starts after the first occurrence of this text; texts without it are skipped; '' for none (per task:
-    sentiment/descriptiveness '.', tldr/cnndm '')"""
-    end_text: Optional[str] = None
+    """configuration name of a Hub --task.query-dataset"""
+    query_field: str = "text"
+    """the field of each dataset row that holds the text"""
+    passage_rows: int = 8
+    """consecutive rows of --task.query-dataset joined into one text (Hub `bookcorpus` has one sentence per row, in
+    book order, and OAI's queries were multi-sentence passages)"""
+    query_length: int = 64
+    """tokens per query, without prefix and suffix (the blog's code later regressed the books tasks to 24)"""
+    query_prefix: str = ""
+    """text put before every query in the policy's input; the reward model reads the bare query, as OAI's did"""
+    query_suffix: str = ""
+    """text put after every (padded) query in the policy's input"""
+    start_text: str = "."
+    """a query starts after the first occurrence of this text; texts without it are skipped; '' for none"""
+    end_text: str = "."
     """a query is cut after the last occurrence of this text in its first query_length tokens; texts without it are
-    skipped; '' for none (per task: sentiment/descriptiveness '.', tldr/cnndm ''; OAI cnndm '\\n', but Hub
-    `cnn_dailymail` joins an article's paragraphs with spaces)"""
-    response_length: Optional[int] = None
-    """tokens sampled per response, never stopped early at EOS (per task: sentiment/descriptiveness 24, tldr/cnndm 75)"""
-    truncate_token: Optional[str] = None
-    """text of the token that ends a response after `truncate_after`, resolved with the tokenizer (per task:
-    sentiment/descriptiveness '.' (13 in GPT-2), tldr/cnndm '\\n' (198))"""
-    truncate_after: Optional[int] = None
-    """a response is cut after the first truncate token at response index >= this (per task:
-    sentiment/descriptiveness 16, tldr/cnndm 55)"""
-    temperature: Optional[float] = None
-    """sampling temperature; log-probs are always computed from logits divided by it (per task: cnndm 0.5, the
-    others 0.7)"""
+    skipped; '' for none"""
+    response_length: int = 24
+    """tokens sampled per response, never stopped early at EOS"""
+    truncate_token: str = "."
+    """text of the token that ends a response after `truncate_after`; it must be one token of the tokenizer"""
+    truncate_after: int = 16
+    """a response is cut after the first truncate token at response index >= this"""
+    temperature: float = 0.7
+    """sampling temperature; log-probs are always computed from logits divided by it"""
 
 
 @dataclass
@@ -109,25 +98,22 @@ class Args(run_utils.RunArgs):
     """global seed: label order and head init come from it; process i samples with seed + i * 100003"""
     base_model: str = "gpt2"
     """pretrained causal LM: a Hub id or a local directory (any AutoModelForCausalLM)"""
-    label_dataset: Optional[str] = None
-    """best-of-4 label file: a file name in the Hub dataset --label-dataset-repo, or a local JSON path (per task:
-    'sentiment/offline_5k.json', 'descriptiveness/offline_5k.json', 'tldr/online_45k.json', 'cnndm/online_45k.json')"""
+    label_dataset: str = "sentiment/offline_5k.json"
+    """best-of-4 label file: a file name in the Hub dataset --label-dataset-repo, or a local JSON path"""
     label_dataset_repo: str = "vwxyzjn/lm-human-preferences"
     """Hub dataset repo holding OAI's label files (mirror of OAI's public blob storage), or a local directory"""
-    batch_size: Optional[int] = None
-    """label records per optimizer step, over all processes (per task: sentiment/descriptiveness 32, tldr/cnndm 16)"""
+    batch_size: int = 32
+    """label records per optimizer step, over all processes"""
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step (memory knob; does not change the math)"""
-    lr: Optional[float] = None
-    """learning rate, annealed linearly to 0 over the training steps (per task: sentiment/descriptiveness 5e-5,
-    tldr/cnndm 2.5e-5)"""
+    lr: float = 5e-5
+    """learning rate, annealed linearly to 0 over the training steps"""
     eps: float = 1e-5
     """Adam epsilon"""
     use_tensorflow_adam: bool = True
     """TF1-style Adam (eps outside the bias correction, as in OAI); --no-use-tensorflow-adam: torch.optim.Adam"""
-    rollout_batch_size: Optional[int] = None
-    """responses per normalization round, over all processes (per task: sentiment/descriptiveness 512, tldr/cnndm
-    128)"""
+    rollout_batch_size: int = 512
+    """responses per normalization round, over all processes"""
     local_rollout_forward_batch_size: int = 64
     """rows per generation / scoring forward on one process (memory knob; does not change the math)"""
     normalize_before: bool = True
@@ -156,31 +142,29 @@ SAMPLE_ROWS = 4  # rows of the sample table printed to the console
 RESUME_MAY_CHANGE = {"local_batch_size", "micro_batch_size", "local_rollout_batch_size", "local_eval_batch_size"}
 """Per-process sizes a resumed run may recompute (the checkpoint's number of processes is checked instead)."""
 
-# OAI's tasks (launch.py books_task, summarize_tldr_task, summarize_cnndm_task): validate_args gives every
-# TaskHParams field left at None (its flag not given) the value of --task.name
-BOOKS_TASK = {"query_dataset": "bookcorpus/bookcorpus", "query_field": "text", "passage_rows": 8, "query_length": 64,
-              "response_length": 24, "query_prefix": "", "query_suffix": "", "start_text": ".", "end_text": ".",
-              "truncate_token": ".", "truncate_after": 16, "temperature": 0.7}  # fmt: skip
-SUMMARIZATION_TASK = {"passage_rows": 1, "query_length": 500, "response_length": 75, "query_prefix": "",
-                      "query_suffix": "\n\nTL;DR:", "start_text": "", "end_text": "", "truncate_token": "\n",
-                      "truncate_after": 55, "temperature": 0.7}  # fmt: skip
-TASK_DEFAULTS = {
-    "sentiment": BOOKS_TASK,
-    "descriptiveness": BOOKS_TASK,
-    "tldr": {**SUMMARIZATION_TASK, "query_dataset": "webis/tldr-17", "query_field": "content"},
-    "cnndm": {**SUMMARIZATION_TASK, "query_dataset": "abisee/cnn_dailymail", "query_dataset_config": "3.0.0",
-              "query_field": "article", "query_prefix": "Article:\n\n", "temperature": 0.5},
+# OAI's tldr and cnndm (launch.py summarize_tldr_task, summarize_cnndm_task, get_experiments) where they differ from
+# books_task, whose values are the fields' defaults: `--task.name X` makes TASK_OVERRIDES[X] the defaults (flags given
+# still win). OAI's cnndm end_text was '\n', but Hub `cnn_dailymail` joins an article's paragraphs with spaces.
+TLDR_OVERRIDES = {"task.query_dataset": "webis/tldr-17", "task.query_field": "content", "task.passage_rows": 1,
+                  "task.query_length": 500, "task.response_length": 75, "task.query_suffix": "\n\nTL;DR:",
+                  "task.start_text": "", "task.end_text": "", "task.truncate_token": "\n", "task.truncate_after": 55,
+                  "label_dataset": "tldr/online_45k.json", "labels.num_train": 46000, "batch_size": 16, "lr": 2.5e-5,
+                  "rollout_batch_size": 128}  # fmt: skip
+TASK_OVERRIDES = {
+    "sentiment": {},
+    "descriptiveness": {"label_dataset": "descriptiveness/offline_5k.json"},
+    "tldr": TLDR_OVERRIDES,
+    "cnndm": {**TLDR_OVERRIDES, "task.query_dataset": "abisee/cnn_dailymail", "task.query_dataset_config": "3.0.0",
+              "task.query_field": "article", "task.query_prefix": "Article:\n\n", "task.temperature": 0.5,
+              "label_dataset": "cnndm/online_45k.json"},
 }  # fmt: skip
 
-# OAI's reward-model training per task (launch.py get_train_reward_experiments), for the Args left at None
-BOOKS_REWARD_TRAINING = {"labels.num_train": 4992, "batch_size": 32, "lr": 5e-5, "rollout_batch_size": 512}
-SUMMARIZATION_REWARD_TRAINING = {"labels.num_train": 46000, "batch_size": 16, "lr": 2.5e-5, "rollout_batch_size": 128}
-REWARD_TASK_DEFAULTS = {
-    "sentiment": {"label_dataset": "sentiment/offline_5k.json", **BOOKS_REWARD_TRAINING},
-    "descriptiveness": {"label_dataset": "descriptiveness/offline_5k.json", **BOOKS_REWARD_TRAINING},
-    "tldr": {"label_dataset": "tldr/online_45k.json", **SUMMARIZATION_REWARD_TRAINING},
-    "cnndm": {"label_dataset": "cnndm/online_45k.json", **SUMMARIZATION_REWARD_TRAINING},
-}
+
+def task_defaults(name: Optional[str] = None) -> Args:
+    """Args at OAI's defaults for task `name`: the fields' own (books_task's) with TASK_OVERRIDES[name] on top; a
+    name that is no task (or None) keeps the fields' own, and tyro rejects it."""
+    overrides = {"task.name": name, **TASK_OVERRIDES[name]} if name in TASK_OVERRIDES else {}
+    return run_utils.replace_fields(Args(), overrides)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -461,10 +445,7 @@ def decode(tokenizer, tokens: torch.Tensor) -> list[str]:
 # End of the shared pipeline.
 # ---------------------------------------------------------------------------------------------------------------------
 def validate_args(args: Args) -> Args:
-    """Fill in the task's defaults, derive every per-process size in one place and reject inconsistent flags before
-    anything is loaded."""
-    run_utils.fill_defaults(args.task, TASK_DEFAULTS[args.task.name])
-    run_utils.fill_defaults(args, REWARD_TASK_DEFAULTS[args.task.name])
+    """Derive every per-process size in one place and reject inconsistent flags before anything is loaded."""
     run_utils.check_run_args(args)
     args.local_batch_size = run_utils.exact_div(args.batch_size, args.world_size, "--batch-size / number of processes")
     args.micro_batch_size = run_utils.exact_div(
@@ -678,7 +659,7 @@ def save_reward_model(model: RewardModel, directory: Path, tokenizer, base_model
 
 
 def main(args: Args) -> None:
-    args = validate_args(args)  # the task's defaults, derived sizes, flag checks
+    args = validate_args(args)  # derived sizes, flag checks
     tokenizer, labels, texts = read_inputs(args)  # checked before any model loads
     if args.dry_run:
         return run_utils.print_dry_run(args, ("world_size", "local_batch_size", "micro_batch_size", "num_updates"))
@@ -790,4 +771,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(run_utils.task_cli(task_defaults))

@@ -14,8 +14,9 @@ import time
 import traceback
 
 import pytest
-import tyro
 from conftest import run_script
+
+import run_utils
 
 REWARD = "train_reward_accelerate.py"
 POLICY = "train_policy_accelerate.py"
@@ -28,7 +29,7 @@ def run_in_process(script: str, *flags: str) -> subprocess.CompletedProcess:
     module = importlib.import_module(script.removesuffix(".py"))
     returncode, stderr = 0, ""
     try:
-        module.main(tyro.cli(module.Args, args=list(flags)))
+        module.main(run_utils.task_cli(module.task_defaults, flags))  # the script's last line
     except SystemExit as stop:
         returncode, stderr = (1, f"{stop.code}\n") if isinstance(stop.code, str) else (stop.code or 0, "")
     except Exception:

@@ -16,6 +16,7 @@ import tyro
 from conftest import run_script
 
 import rlhf_data
+import run_utils
 import train_policy_accelerate as P
 import train_reward_accelerate as R
 
@@ -35,7 +36,7 @@ def book_sentences(n: int) -> list[str]:
 
 
 def books_task(*flags: str) -> R.TaskHParams:
-    return R.validate_args(tyro.cli(R.Args, args=["--labels.num-train", "32", *flags])).task
+    return R.validate_args(run_utils.task_cli(R.task_defaults, ["--labels.num-train", "32", *flags])).task
 
 
 def contains_at(haystack: list[int], needle: list[int]) -> list[int]:

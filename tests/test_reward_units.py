@@ -575,7 +575,7 @@ def test_query_from_text_start_and_end_text(tokenizer):
     assert R.query_from_text(tokenizer, text, task, PAD) == [23073, 11, 339, 561, 13, PAD]
     assert R.query_from_text(tokenizer, [15496, 995], task, PAD) is None  # no start text
     assert R.query_from_text(tokenizer, [13, 23073, 11, 339, 561], task, PAD) is None  # no end text after the start
-    short = R.TaskHParams(query_length=3, end_text=".")  # the '.' at index 3 falls outside the 3 kept tokens
+    short = R.TaskHParams(query_length=3, start_text="")  # the '.' at index 3 falls outside the 3 kept tokens
     assert R.query_from_text(tokenizer, [23073, 11, 339, 13], short, PAD) is None
     assert R.query_from_text(tokenizer, [], R.TaskHParams(query_length=4), PAD) is None  # empty text
 
@@ -589,7 +589,7 @@ def query_texts(tmp_path, lines: list[str], rows_per_text: int = 1) -> rlhf_data
 
 def test_query_from_text_keeps_a_text_whose_first_start_text_is_its_last_token(tokenizer):
     """OAI language/datasets.py: `first_index < len(tokens)` or the text stays whole."""
-    task = R.TaskHParams(query_length=6, start_text=".")
+    task = R.TaskHParams(query_length=6, start_text=".", end_text="")
     assert R.query_from_text(tokenizer, [15496, 995, 13], task, PAD) == [15496, 995, 13, PAD, PAD, PAD]
     assert R.query_from_text(tokenizer, [15496, 13, 995], task, PAD) == [995] + [PAD] * 5
 
@@ -609,7 +609,8 @@ def test_queries_add_no_special_tokens_with_a_bos_adding_tokenizer(gpt2_tokenize
 
 
 def test_query_stream_prefix_suffix_and_middle_pads_go_left(tokenizer, tmp_path):
-    task = R.TaskHParams(query_length=4, query_prefix="Hello", query_suffix=" world")  # [15496], [995]
+    # "Hello" = [15496], " world" = [995]; no start or end text
+    task = R.TaskHParams(query_length=4, query_prefix="Hello", query_suffix=" world", start_text="", end_text="")
     assert R.query_from_text(tokenizer, [23073, 11], task, PAD) == [23073, 11, PAD, PAD]  # bare, right-padded
     stream = R.QueryStream(query_texts(tmp_path, ["", "usually,", ""]), tokenizer, task, PAD, seed=0)  # [23073, 11]
     queries = stream.next_batch(3)  # empty texts skipped; the one real text repeats over epochs
@@ -629,7 +630,7 @@ def test_query_stream_without_any_query_names_the_flag(tokenizer, tmp_path):
 
 def test_query_stream_ranks_are_disjoint_within_an_epoch(tokenizer, tmp_path):
     texts = [f"Text number {i} of the corpus" for i in range(20)]
-    task = R.TaskHParams(query_length=8)
+    task = R.TaskHParams(query_length=8, start_text="", end_text="")
     source = query_texts(tmp_path, texts)
     streams = [R.QueryStream(source, tokenizer, task, PAD, seed=3, rank=r, world_size=2, chunk=4) for r in (0, 1)]
     epochs = [set(R.decode(tokenizer, s.next_batch(10))) for s in streams]

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import tyro
 from conftest import REPO
 
+import run_utils
 import train_policy_accelerate
 import train_reward_accelerate
 from benchmark.benchmark import benchmark_commands, training_script_args
@@ -30,7 +30,7 @@ def test_suite_command_parses_and_validates(suite, index, argv, monkeypatch, cap
     world_size, (script, *flags) = training_script_args(argv)
     module = SCRIPTS[Path(script).name]
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
-    args = tyro.cli(module.Args, args=[*flags, "--dry-run"])
+    args = run_utils.task_cli(module.task_defaults, [*flags, "--dry-run"])  # as the script's last line parses
     module.main(args)  # validates every flag and exits before loading anything
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["dry_run"] == "ok" and report["world_size"] == world_size

@@ -1,20 +1,22 @@
-"""OpenAI's four tasks (launch.py): `--task.name` sets every per-task default in both scripts, explicit flags win, the
-summarization texts are cleaned like OpenAI's, the policy reads prefix ⊕ query ⊕ suffix while the reward model reads
-the bare query, label files of the summarization shape load, and a tiny tldr run goes end to end (offline)."""
+"""OpenAI's four tasks (launch.py): `--task.name` sets every per-task default in both scripts (`--help` shows them),
+explicit flags win, the summarization texts are cleaned like OpenAI's, the policy reads prefix ⊕ query ⊕ suffix while
+the reward model reads the bare query, label files of the summarization shape load, and a tiny tldr run goes end to
+end (offline)."""
 
-import ast
+import dataclasses
 import json
+import re
 import types
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
-import tyro
-from conftest import REPO, read_jsonl, run_script, synthetic_sentences
+from conftest import read_jsonl, run_script, synthetic_sentences
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import rlhf_data
+import run_utils
 import train_policy_accelerate as P
 import train_reward_accelerate as R
 
@@ -52,11 +54,11 @@ OAI_PPO = {  # ppo.batch_size, ppo.lr, rewards.kl_coef, rewards.use_adaptive_kl,
 
 
 def reward_args(*flags: str) -> R.Args:
-    return R.validate_args(tyro.cli(R.Args, args=list(flags)))
+    return R.validate_args(run_utils.task_cli(R.task_defaults, flags))  # as the script's last line parses them
 
 
 def policy_args(*flags: str) -> P.Args:
-    return P.validate_args(tyro.cli(P.Args, args=["--rewards.trained-model", "x", *flags]))
+    return P.validate_args(run_utils.task_cli(P.task_defaults, ["--rewards.trained-model", "x", *flags]))
 
 
 def one_line_error(failure: pytest.ExceptionInfo) -> str:
@@ -92,10 +94,36 @@ def test_the_default_task_is_sentiment_and_the_truncate_tokens_are_single_gpt2_t
     assert tokenizer.encode("\n\nTL;DR:") == [NEWLINE, NEWLINE, TL, 26, 7707, 25]
 
 
+def test_task_defaults_are_what_the_command_line_gives():
+    """Tests and programs that build Args for a task get exactly what `--task.name` gives a user."""
+    for module in (R, P):
+        for task in TASKS:
+            assert module.task_defaults(task) == run_utils.task_cli(module.task_defaults, ["--task.name", task])
+            assert module.task_defaults(task) == run_utils.task_cli(module.task_defaults, [f"--task.name={task}"])
+        assert module.task_defaults() == module.Args() == run_utils.task_cli(module.task_defaults, [])
+        with pytest.raises(SystemExit):  # an unknown task is tyro's error, not a silent books run
+            run_utils.task_cli(module.task_defaults, ["--task.name", "books"])
+
+
+def test_an_explicit_flag_equal_to_the_books_default_still_wins(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    policy = policy_args("--task.name", "tldr", "--task.response-length", "24", "--task.truncate-after", "16",
+                         "--ppo.batch-size", "512", "--rewards.use-adaptive-kl", "--task.query-dataset",
+                         "bookcorpus/bookcorpus")  # fmt: skip
+    assert (policy.task.response_length, policy.task.truncate_after, policy.ppo.batch_size) == (24, 16, 512)
+    assert (policy.rewards.use_adaptive_kl, policy.task.query_dataset) == (True, "bookcorpus/bookcorpus")
+    assert (policy.task.query_length, policy.ppo.lr, policy.rewards.kl_coef) == (500, 2e-6, 0.03)  # the task's
+    reward = reward_args("--task.name", "cnndm", "--batch-size", "32", "--lr", "5e-5", "--labels.num-train", "4992",
+                         "--task.temperature", "0.7", "--task.query-prefix", "")  # fmt: skip
+    assert (reward.batch_size, reward.lr, reward.labels.num_train) == (32, 5e-5, 4992)
+    assert (reward.task.temperature, reward.task.query_prefix) == (0.7, "")
+    assert (reward.rollout_batch_size, reward.task.response_length) == (128, 75)  # the task's
+
+
 def test_explicit_flags_override_the_task_defaults(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     policy = policy_args("--task.name", "tldr", "--ppo.batch-size", "64", "--rewards.kl-coef", "0.05",
-                         "--rewards.use-adaptive-kl", "True", "--ppo.whiten-rewards", "True", "--task.query-length",
+                         "--rewards.use-adaptive-kl", "--ppo.whiten-rewards", "--task.query-length",
                          "48", "--task.query-suffix", "", "--task.temperature", "1.0", "--task.truncate-token", ".")  # fmt: skip
     assert (policy.ppo.batch_size, policy.rewards.kl_coef, policy.rewards.use_adaptive_kl) == (64, 0.05, True)
     assert (policy.ppo.whiten_rewards, policy.task.query_length, policy.task.query_suffix) == (True, 48, "")
@@ -118,7 +146,7 @@ def test_summarization_batches_are_checked_against_the_number_of_processes(monke
     monkeypatch.setenv("WORLD_SIZE", "8")
     assert policy_args("--task.name", "tldr").local_batch_size == 4
     with pytest.raises(SystemExit) as failure:
-        policy_args("--task.name", "tldr", "--ppo.whiten-rewards", "True")
+        policy_args("--task.name", "tldr", "--ppo.whiten-rewards")
     assert "--ppo.whiten-rewards" in one_line_error(failure)
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(SystemExit) as failure:
@@ -126,47 +154,59 @@ def test_summarization_batches_are_checked_against_the_number_of_processes(monke
     assert "--ppo.batch-size" in one_line_error(failure)
 
 
-def field_docstrings(path) -> dict[str, str]:
-    """'Class.field' -> docstring of every dataclass field in a script."""
-    docs = {}
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.ClassDef):
-            for statement, following in zip(node.body, node.body[1:], strict=False):
-                if isinstance(statement, ast.AnnAssign) and isinstance(following, ast.Expr):
-                    docs[f"{node.name}.{statement.target.id}"] = " ".join(ast.literal_eval(following.value).split())
-    return docs
+def help_defaults(module, capsys, *flags: str) -> dict[str, str]:
+    """flag -> the default that `SCRIPT *flags --help` shows for it (parsed as the script's last line parses)."""
+    with pytest.raises(SystemExit):
+        run_utils.task_cli(module.task_defaults, [*flags, "--help"])
+    entries, flag = {}, None
+    for line in capsys.readouterr().out.splitlines():
+        text = line.strip("│ ")
+        if text.startswith("--") and len(line.lstrip("│")) - len(line.lstrip("│ ")) < 4:  # a flag, not its help
+            flag = text.split()[0].rstrip(",")
+            entries[flag] = ""
+        elif flag is not None:
+            entries[flag] += " " + text
+    defaults = {flag: re.findall(r"\(default: ([^()]*)\)", text) for flag, text in entries.items()}
+    return {flag: found[-1] for flag, found in defaults.items() if found}
 
 
-def documented(value) -> str:
-    """How a default is written in a --help text: strings as repr ('\\n\\nTL;DR:'), floats short (2.5e-5)."""
-    if isinstance(value, str):
-        return repr(value)
-    if isinstance(value, float):
-        return f"{value:g}".replace("e-0", "e-")
-    return str(value)
+def oai_flags(module, task: str) -> dict[str, object]:
+    """flag -> OAI's value for `task` in `module`'s script, from the tables above."""
+    values = {f"--task.{key.replace('_', '-')}": value for key, value in OAI_TASK[task].items()}
+    if module is R:
+        flags = ("--label-dataset", "--labels.num-train", "--batch-size", "--lr", "--rollout-batch-size")
+        return values | dict(zip(flags, OAI_REWARD[task], strict=True))
+    flags = ("--ppo.batch-size", "--ppo.lr", "--rewards.kl-coef", "--rewards.use-adaptive-kl", "--ppo.whiten-rewards")
+    return values | dict(zip(flags, OAI_PPO[task], strict=True))
+
+
+TASK_FLAGS = {"sentiment": [], "descriptiveness": ["--task.name", "descriptiveness"], "tldr": ["--task.name", "tldr"],
+              "cnndm": ["--task.name=cnndm"]}  # fmt: skip
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("module", [R, P], ids=["reward", "policy"])
+def test_help_shows_the_tasks_defaults(module, task, capsys):
+    """`--help` shows the books tasks' values (24-token responses), `--task.name tldr --help` tldr's (75)."""
+    shown = help_defaults(module, capsys, *TASK_FLAGS[task])
+    assert shown["--task.name"] == task and shown["--task.response-length"] == str(OAI_TASK[task]["response_length"])
+    expected = oai_flags(module, task)
+    assert len(expected) == 18
+    for flag, value in expected.items():
+        if "\n" not in str(value):  # such a string spans help lines; the parse test above checks it
+            assert shown[flag] in (str(value), repr(value)), (flag, shown[flag], value)
+
+
+NONE_BY_DESIGN = {"--wandb-entity", "--output-dir", "--peak-tflops", "--hf-repo-id", "--task.query-dataset-config"}
+"""The flags whose default is really None (not set), in both scripts; the policy adds two."""
 
 
 @pytest.mark.parametrize("module", [R, P], ids=["reward", "policy"])
-def test_help_of_every_task_dependent_flag_lists_each_tasks_default(module):
-    docs = field_docstrings(REPO / f"{module.__name__}.py")
-    classes = {"": "Args", "labels": "LabelHParams", "ppo": "PpoHParams", "rewards": "RewardHParams"}
-    script_table = R.REWARD_TASK_DEFAULTS if module is R else P.PPO_TASK_DEFAULTS
-    fields = {f"TaskHParams.{key}": [(t, module.TASK_DEFAULTS[t].get(key)) for t in TASKS] for key in BOOKS}
-    for path in script_table["tldr"]:
-        owner, _, name = path.rpartition(".")
-        fields[f"{classes[owner]}.{name}"] = [(t, script_table[t][path]) for t in TASKS]
-    assert len(fields) == 18  # 13 task fields, 5 of the script
-    for field, values in fields.items():
-        assert "per task" in docs[field], field
-        for task, value in values:
-            if value is not None:
-                assert documented(value) in docs[field], (field, task, value)
-
-
-def test_the_scripts_task_tables_match_openais():
-    for task in TASKS:
-        assert {k: R.TASK_DEFAULTS[task].get(k) for k in OAI_TASK[task]} == OAI_TASK[task]
-    assert R.TASK_DEFAULTS == P.TASK_DEFAULTS
+def test_help_shows_none_only_where_none_is_meant(module, capsys):
+    shown = help_defaults(module, capsys)
+    assert len(shown) > 40 and shown["--seed"] == "1"
+    extra = {"--rewards.trained-model", "--task.gold-labeler"} if module is P else set()
+    assert {flag for flag, default in shown.items() if default == "None"} == NONE_BY_DESIGN | extra
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -216,7 +256,7 @@ def tokenizer(gpt2_tokenizer_dir):
 def test_contexts_put_prefix_and_suffix_around_the_bare_query_and_move_middle_pads_left(tokenizer, tmp_path):
     """cnndm's formatting on queries of 8 tokens: OAI builds prefix ⊕ right-padded query ⊕ suffix (pads in the
     middle); every row of ours is that row left-padded, and the bare queries stay as the reward model's."""
-    task = R.TaskHParams(name="cnndm", query_length=8, query_prefix="Article:\n\n", query_suffix="\n\nTL;DR:")
+    task = dataclasses.replace(R.task_defaults("cnndm").task, query_length=8)  # "Article:\n\n", "\n\nTL;DR:"
     texts = ["One two three four five six seven eight nine ten.", "Short one.", "Three words here"]
     stream = R.QueryStream(query_texts(tmp_path, texts), tokenizer, task, PAD, seed=0, chunk=3)
     queries = stream.next_batch(3)  # (3, 8)
@@ -235,7 +275,7 @@ def test_contexts_put_prefix_and_suffix_around_the_bare_query_and_move_middle_pa
 
 
 def test_books_contexts_equal_the_queries(tokenizer, tmp_path):
-    task = R.TaskHParams(query_length=6, query_prefix="", query_suffix="")
+    task = R.TaskHParams(query_length=6, start_text="", end_text="")  # the books tasks' empty prefix and suffix
     stream = R.QueryStream(query_texts(tmp_path, ["Hello world.", "usually, he would"]), tokenizer, task, PAD, seed=0)
     queries = stream.next_batch(2)
     assert torch.equal(stream.format(queries), queries)
@@ -270,8 +310,8 @@ def query_texts(tmp_path, lines: list[str]) -> rlhf_data.QueryTexts:
 
 
 def summarization_stream(tokenizer, query_length: int, tmp_path) -> R.QueryStream:
-    task = R.TaskHParams(name="tldr", query_length=query_length, query_prefix="Article:\n\n",
-                         query_suffix="\n\nTL;DR:", response_length=4, truncate_after=1, temperature=0.7)  # fmt: skip
+    task = dataclasses.replace(R.task_defaults("tldr").task, query_length=query_length, query_prefix="Article:\n\n",
+                               response_length=4, truncate_after=1)  # fmt: skip
     return R.QueryStream(query_texts(tmp_path, synthetic_sentences(20, seed=0)), tokenizer, task, PAD, seed=0)
 
 
