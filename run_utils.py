@@ -432,16 +432,21 @@ class QueryTexts:
 # the output directory, atomic writes
 def write_text_atomic(path: Path, text: str) -> None:
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(text)
+    temporary.write_text(text, encoding="utf-8")
     os.replace(temporary, path)
 
 
 def save_directory_atomic(path: Path, write) -> None:
-    """write(tmp_dir) then rename: a crash never leaves a half-written directory under the final name."""
+    """write(tmp_dir) then rename: a crash never leaves a half-written directory under the final name, and a write
+    that fails (an error, Ctrl-C) removes its temporary directory."""
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir(parents=True)
-    write(temporary)
+    try:
+        write(temporary)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
     if path.exists():
         previous = path.with_name(f".{path.name}.old-{os.getpid()}")
         os.replace(path, previous)
