@@ -19,12 +19,12 @@ no datasets, wandb or simulated labelers."""
 
 
 def test_every_module_level_import_of_the_check_path_is_in_the_node_stack_or_the_bundle():
-    """The scripts, run_utils, quickstart (for its tokenizer builder) and throughput.py import at module level only
+    """The scripts, run_utils, quickstart_assets (its tokenizer builder) and throughput.py import at module level only
     the standard library, the node's stack and the bundle's tyro: the optional packages are imported where used."""
     import ast
 
     allowed = {"torch", "transformers", "accelerate", "safetensors", "numpy", "rich", "tyro", "run_utils"}
-    for name in ("train_reward_accelerate.py", "train_policy_accelerate.py", "run_utils.py", "quickstart.py",
+    for name in ("train_reward_accelerate.py", "train_policy_accelerate.py", "run_utils.py", "quickstart_assets.py",
                  "benchmark/throughput.py"):  # fmt: skip
         tree = ast.parse((REPO / name).read_text())
         imported = {

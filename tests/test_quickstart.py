@@ -1,6 +1,6 @@
 """The quick start (`python quickstart.py`): its summary statistics, its files, and a smoke run of the same command.
 
-The offline assets it prepares are tested in tests/test_quickstart_assets.py; the gold labelers it relies on (VADER
+The offline assets it prepares (quickstart_assets.py) are tested in tests/test_quickstart_assets.py; the gold labelers it relies on (VADER
 sentiment on clearly positive / negative text, descriptiveness on plain / descriptive text) in
 tests/test_reward_units.py (`test_simulated_*_labeler_*`).
 """
