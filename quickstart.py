@@ -316,29 +316,14 @@ def script_environment(threads: int) -> dict[str, str]:
     return environment
 
 
-def policy_held_out_texts(policy_flags: Sequence[str]) -> tuple[list[str], frozenset[str]]:
-    """The policy's query texts and those it keeps out of training for its held-out evaluation, computed with the
-    policy script's own code and flags, so the answer is exactly the script's."""
-    import tyro
-
-    import run_utils
-    import train_policy_accelerate as policy_script
-
-    args = policy_script.validate_args(tyro.cli(policy_script.Args, args=list(policy_flags)))
-    tokenizer = policy_script.load_tokenizer(args.base_model, "--base-model")
-    task = args.task
-    texts = run_utils.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
-    _, _, held_out = policy_script.held_out_queries(texts, tokenizer, task, args.eval_queries)
-    return texts.texts, held_out
-
-
 def write_reward_queries(policy_flags: Sequence[str], path: Path) -> tuple[int, int]:
     """The reward model's query texts: the policy's corpus without the policy's held-out texts, as JSON lines.
 
     The reward script samples its label queries from the whole file it is given; without this split the labels could
     include the held-out queries, and the "held-out" gold score would be measured on queries the reward model has
-    seen. Returns (texts kept, texts held out)."""
-    texts, held_out = policy_held_out_texts(policy_flags)
+    seen. The policy script itself says which texts it holds out, for the flags it will run with. Returns (texts
+    kept, texts held out)."""
+    texts, held_out = train_policy_accelerate.held_out_texts(script_args(train_policy_accelerate, policy_flags))
     kept = [text for text in texts if text not in held_out]
     path.write_text("".join(json.dumps({"text": text}) + "\n" for text in kept), encoding="utf-8")
     return len(kept), len(held_out)
