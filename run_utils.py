@@ -139,7 +139,7 @@ def replace_fields(config, values: dict):
     return config
 
 
-def task_cli(task_defaults, args: Optional[list[str]] = None):
+def task_cli(task_defaults, args: Optional[list[str]] = None, **cli_options):
     """tyro.cli over `task_defaults(name)`, a script's Args at the defaults of the `--task.name` on the command line
     (read first): `--task.name tldr --help` shows tldr's defaults, and a flag given wins over them, even one equal to
     the books tasks' value."""
@@ -151,7 +151,7 @@ def task_cli(task_defaults, args: Optional[list[str]] = None):
         elif flag.startswith("--task.name="):
             name = flag.removeprefix("--task.name=")
     default = task_defaults(name)
-    return tyro.cli(type(default), default=default, args=args)
+    return tyro.cli(type(default), default=default, args=args, **cli_options)
 
 
 def check_run_args(args) -> None:
@@ -304,16 +304,21 @@ def tokenizer_fingerprint(tokenizer) -> str:
 # the output directory, atomic writes
 def write_text_atomic(path: Path, text: str) -> None:
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(text)
+    temporary.write_text(text, encoding="utf-8")
     os.replace(temporary, path)
 
 
 def save_directory_atomic(path: Path, write) -> None:
-    """write(tmp_dir) then rename: a crash never leaves a half-written directory under the final name."""
+    """write(tmp_dir) then rename: a crash never leaves a half-written directory under the final name, and a write
+    that fails (an error, Ctrl-C) removes its temporary directory."""
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir(parents=True)
-    write(temporary)
+    try:
+        write(temporary)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
     if path.exists():
         previous = path.with_name(f".{path.name}.old-{os.getpid()}")
         os.replace(path, previous)

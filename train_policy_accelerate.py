@@ -833,6 +833,15 @@ def held_out_queries(texts, tokenizer, task: TaskHParams, n: int):
     return queries, stream.format(queries), frozenset(read)
 
 
+def held_out_texts(args: Args) -> tuple[list[str], frozenset[str]]:
+    """Every text of --task.query-dataset, and those the gold evaluation keeps out of training (held_out_queries), for
+    validated args, loading only the tokenizer: quickstart.py keeps the latter out of the reward model's labels too."""
+    task = args.task
+    texts = rlhf_data.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
+    _, _, held_out = held_out_queries(texts, load_tokenizer(args.base_model, "--base-model"), task, args.eval_queries)
+    return [texts[i] for i in range(len(texts))], held_out
+
+
 @torch.no_grad()
 def evaluate_gold(
     accelerator, policy, ref_lm, reward_model, eval_queries, eval_contexts, cut_token_id, tokenizer, args

@@ -99,7 +99,7 @@ def make_assets(args: Args, root: Path) -> tuple[Path, Path, int]:
     logging.disable_progress_bar()
 
     if args.model in SIZES:
-        from quickstart import prepare_gpt2_tokenizer
+        from quickstart_assets import prepare_gpt2_tokenizer
 
         n_layer, n_embd, n_head = SIZES[args.model]
         model = GPT2LMHeadModel(GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from quickstart import prepare_gpt2_tokenizer
+from quickstart_assets import prepare_gpt2_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 """The repository root."""

@@ -19,14 +19,14 @@ no datasets, wandb or simulated labelers."""
 
 
 def test_every_module_level_import_of_the_check_path_is_in_the_node_stack_or_the_bundle():
-    """The scripts, run_utils, rlhf_data, quickstart (for its tokenizer builder) and throughput.py import at module
+    """The scripts, run_utils, rlhf_data, quickstart_assets (its tokenizer builder) and throughput.py import at module
     level only the standard library, the node's stack and the bundle's tyro: the optional packages (datasets among
     them) are imported where used."""
     import ast
 
     allowed = {"torch", "transformers", "accelerate", "safetensors", "numpy", "rich", "tyro", "run_utils", "rlhf_data"}
     for name in ("train_reward_accelerate.py", "train_policy_accelerate.py", "run_utils.py", "rlhf_data.py",
-                 "quickstart.py", "benchmark/throughput.py"):  # fmt: skip
+                 "quickstart_assets.py", "benchmark/throughput.py"):  # fmt: skip
         tree = ast.parse((REPO / name).read_text())
         imported = {
             alias.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import) for alias in node.names

