@@ -40,6 +40,10 @@ console = Console()  # one console for progress bars, tables and lines, so that 
 
 @dataclass
 class RunArgs:
+    exp_name: str = "run"
+    """experiment name, the first part of the run name (each script sets its own)"""
+    seed: int = 1
+    """global seed (each script says what it seeds)"""
     track: bool = False
     """log to Weights & Biases (needs `wandb login` or WANDB_API_KEY; WANDB_MODE=offline needs neither)"""
     wandb_project_name: str = "lm-human-preferences"

@@ -101,7 +101,8 @@ class TaskHParams:
     name: Literal["sentiment", "descriptiveness", "tldr", "cnndm"] = "sentiment"
     """OAI's task (launch.py); it sets the defaults of the other flags to its own (`--task.name tldr --help`)"""
     query_dataset: str = "bookcorpus/bookcorpus"
-    """query texts: a Hugging Face Hub dataset (streamed) or a local .txt (one text per line) / .json / .jsonl file"""
+    """query texts: a Hugging Face Hub dataset (downloaded once into the datasets cache) or a local .txt (one text per
+    line) / .json / .jsonl file"""
     query_dataset_config: Optional[str] = None
     """configuration name of a Hub --task.query-dataset"""
     query_field: str = "text"
@@ -140,7 +141,7 @@ class Args(run_utils.RunArgs):
     exp_name: str = "train_policy_accelerate"
     """experiment name, the first part of the run name"""
     seed: int = 1
-    """global seed: head init comes from it; process i samples with seed + i * 100003"""
+    """global seed: process i samples with seed + i * 100003"""
     base_model: str = "gpt2"
     """pretrained causal LM for the policy and the reference policy: a Hub id or a local directory"""
     use_tensorflow_adam: bool = True
@@ -860,15 +861,8 @@ def evaluate_gold(
     texts = decode(tokenizer, postprocessed)
     gold = simulated_labeler_scores(args.task.gold_labeler, texts)
     query_ids = torch.arange(len(eval_queries))[rows].repeat_interleave(args.eval_samples_per_query).tolist()
-    columns = zip(
-        query_ids,
-        decode(tokenizer, queries),
-        texts,
-        gold,
-        scores.tolist(),
-        (logprobs - ref_logprobs).sum(1).tolist(),
-        strict=True,
-    )
+    kl = (logprobs - ref_logprobs).sum(1).tolist()
+    columns = zip(query_ids, decode(tokenizer, queries), texts, gold, scores.tolist(), kl, strict=True)
     samples = gather_object(
         [dict(query_index=q, query=t, response=r, gold_score=g, rm_score=s, kl=k) for q, t, r, g, s, k in columns]
     )

@@ -61,7 +61,8 @@ class TaskHParams:
     name: Literal["sentiment", "descriptiveness", "tldr", "cnndm"] = "sentiment"
     """OAI's task (launch.py); it sets the defaults of the other flags to its own (`--task.name tldr --help`)"""
     query_dataset: str = "bookcorpus/bookcorpus"
-    """query texts: a Hugging Face Hub dataset (streamed) or a local .txt (one text per line) / .json / .jsonl file"""
+    """query texts: a Hugging Face Hub dataset (downloaded once into the datasets cache) or a local .txt (one text per
+    line) / .json / .jsonl file"""
     query_dataset_config: Optional[str] = None
     """configuration name of a Hub --task.query-dataset"""
     query_field: str = "text"
@@ -641,6 +642,17 @@ def evaluate(accelerator, reward_model, labels: dict, test_ids: torch.Tensor, ar
     return {"test/loss": loss_sum / count, "test/accuracy": accuracy_sum / count}
 
 
+def timing_stats(run, trunk_params: int, step_start: float, args: Args) -> dict:
+    """elapsed/time, the step's seconds and, with --peak-tflops, its MFU (per process: 4 samples per label, 2 FLOPs
+    per trunk parameter and token forward, twice that backward)."""
+    seconds = time.perf_counter() - step_start
+    stats = {"elapsed/time": run.elapsed(), "time/train_step": seconds}
+    if args.peak_tflops:
+        tokens = NUM_SAMPLES * args.local_batch_size * (args.task.query_length + args.task.response_length)
+        stats["time/mfu_train_step"] = run_utils.mfu(6 * trunk_params * tokens, seconds, args.peak_tflops)
+    return stats
+
+
 def save_reward_model(model: RewardModel, directory: Path, tokenizer, base_model: str) -> None:
     """reward_model/: the backbone in Hugging Face format with its tokenizer, reward_head.safetensors (scalar head,
     gain, bias) and reward_model.json. Its weights file also holds the whole head as `score.weight` = [gain·w,
@@ -710,17 +722,17 @@ def main(args: Args) -> None:
     # the label order: one permutation drawn on process 0 and broadcast, so all processes agree on it
     order = [torch.randperm(args.labels.num_train, generator=torch.Generator().manual_seed(args.seed))]
     order = broadcast_object_list(order)[0]
-    unwrapped = accelerator.unwrap_model(reward_model)
+    unwrapped, rank = accelerator.unwrap_model(reward_model), accelerator.process_index
     trunk_params = run_utils.trunk_parameters(unwrapped.backbone)
 
     # 2. train: one epoch over the label records, in the shared order
     reward_model.train()
-    for update in run.progress(range(run.start_step, args.num_updates), "training reward model"):
-        lr = linear_lr(args.lr, update, args.num_updates)  # per step, k = 0 .. N - 1
+    for step in run.progress(range(run.start_step + 1, args.num_updates + 1), "training reward model"):
+        lr = linear_lr(args.lr, step - 1, args.num_updates)  # per step, k = 0 .. N - 1
         for group in optimizer.param_groups:
             group["lr"] = lr
         step_start = time.perf_counter()
-        global_ids = order[update * args.batch_size : (update + 1) * args.batch_size]
+        global_ids = order[(step - 1) * args.batch_size : step * args.batch_size]
         local_ids = global_ids[accelerator.process_index * args.local_batch_size :][: args.local_batch_size]
         stats = []
         for ids in local_ids.split(args.micro_batch_size):  # gradient accumulation: micro-batches of one step
@@ -733,21 +745,15 @@ def main(args: Args) -> None:
             stats.append(torch.stack([loss.detach(), accuracy]))
         stats = torch.stack(stats)  # (micro-batches, 2)
         means = {"train/loss": stats[:, 0].mean(), "train/accuracy": stats[:, 1].mean()}
-        row = {"step": update + 1, **run_utils.reduce_metrics(accelerator, means)}  # over all processes
-        where = run_utils.first_non_finite(stats, {"micro-batch": len(stats)}, accelerator.process_index)
-        run.stop_if_not_finite(row, update + 1, where)
-        row.update({"train/lr": lr, "elapsed/time": run.elapsed(), "time/train_step": time.perf_counter() - step_start})
-        if args.peak_tflops:  # per process: 4 samples per label, 2·N FLOPs per token forward, backward 2x
-            tokens = NUM_SAMPLES * args.local_batch_size * (task.query_length + task.response_length)
-            row["time/mfu_train_step"] = run_utils.mfu(
-                6 * trunk_params * tokens, row["time/train_step"], args.peak_tflops
-            )
+        row = {"step": step, **run_utils.reduce_metrics(accelerator, means)}  # over all processes
+        run.stop_if_not_finite(row, step, run_utils.first_non_finite(stats, {"micro-batch": len(stats)}, rank))
+        row.update({"train/lr": lr, **timing_stats(run, trunk_params, step_start, args)})
         # 3. evaluate on the held-out labels, and show what the reward model thinks of some samples
-        if (update + 1) % args.print_sample_output_freq == 0 or update + 1 == args.num_updates:
+        if step % args.print_sample_output_freq == 0 or step == args.num_updates:
             evaluation_start = time.perf_counter()
             if num_test:
                 row.update(evaluate(accelerator, reward_model, labels, test_ids, args))
-                run.print(f"step {update + 1}: test/loss {row['test/loss']:.4f} accuracy {row['test/accuracy']:.4f}")
+                run.print(f"step {step}: test/loss {row['test/loss']:.4f} accuracy {row['test/accuracy']:.4f}")
             with accelerator.autocast():
                 query, response, reward = sample_and_score(ref_lm, unwrapped, query_stream, SAMPLE_ROWS, args)
             columns = {
@@ -755,10 +761,10 @@ def main(args: Args) -> None:
                 "response": decode(tokenizer, response),
                 "reward": reward.tolist(),
             }
-            run.samples("samples.jsonl", update + 1, columns)  # a table on the console, TensorBoard, wandb; the file
+            run.samples("samples.jsonl", step, columns)  # a table on the console, TensorBoard, wandb; the file
             row["time/evaluation"] = time.perf_counter() - evaluation_start
-        run.log(row, update + 1)
-        run.checkpoint_if_due(update + 1, {}, {"stream": query_stream.state()})  # and on SIGTERM / Ctrl-C
+        run.log(row, step)
+        run.checkpoint_if_due(step, {}, {"stream": query_stream.state()})  # and on SIGTERM / Ctrl-C
     reward_model.eval()
     # 4. normalize after
     row = {"step": args.num_updates}
