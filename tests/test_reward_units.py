@@ -335,7 +335,7 @@ def test_main_uses_linear_lr_for_the_schedule():
     tree = ast.parse((REPO / "train_reward_accelerate.py").read_text())
     main = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "main")
     calls = [n for n in ast.walk(main) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "linear_lr"]
-    assert len(calls) == 1 and ast.unparse(calls[0].args[1]) == "update"  # the loop runs k = 0..N-1
+    assert len(calls) == 1 and ast.unparse(calls[0].args[1]) == "step - 1"  # steps 1..N: k = 0..N-1
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -25,9 +25,9 @@ SCRIPTS = {"reward": REPO / "train_reward_accelerate.py", "policy": REPO / "trai
 MODULES = {"reward": train_reward_accelerate, "policy": train_policy_accelerate}
 BLOCK_START, BLOCK_END = "# The pipeline both scripts share", "# End of the shared pipeline."
 SCRIPT_SPECIFIC = {"main", "validate_args", "read_inputs", "RESUME_MAY_CHANGE", "TLDR_OVERRIDES", "TASK_OVERRIDES",
-                   "task_defaults"}  # fmt: skip
+                   "task_defaults", "timing_stats"}  # fmt: skip
 """Defined in both scripts and different by design: entry point, flag and input checks, per-process sizes, each
-script's own Args at a task's defaults."""
+script's own Args at a task's defaults, the timing of a step (a reward step, a PPO update)."""
 
 
 def is_config_class(name: str) -> bool:
