@@ -612,7 +612,7 @@ def response_logits(lm: nn.Module, hidden: torch.Tensor, temperature: float) -> 
     """The LM head's logits at the response positions only, divided by the sampling temperature: (B, T, V)."""
     # detail: logits scaled by the sampling temperature — for the log-probs too (OAI policy.py analyze_responses_op;
     # without it the KL grows too fast)
-    logits = lm.get_output_embeddings()(hidden)
+    logits = lm.get_output_embeddings()(hidden).float()  # fp32 also under bf16 autocast, before the division
     return logits / temperature
 
 

@@ -25,6 +25,7 @@ from train_policy_accelerate import sample_responses  # noqa: E402
 # (model, batch, context tokens, response tokens): GPT-2 124M as in the reading review; the quick start's PPO rollout
 # (16 episodes of 8 + 12 tokens) and its label sampling (128 rows per generate call)
 SETTINGS = {
+    "tiny": ("tiny", 4, 8, 6),  # a 2-layer GPT-2, for the test
     "gpt2": ("gpt2", 8, 64, 24),
     "smollm2-rollout": ("smollm2", 16, 8, 12),
     "smollm2-labels": ("smollm2", 128, 8, 12),
@@ -33,7 +34,7 @@ SETTINGS = {
 
 @dataclass
 class Args:
-    settings: tuple[Literal["gpt2", "smollm2-rollout", "smollm2-labels"], ...] = tuple(SETTINGS)
+    settings: tuple[Literal["tiny", "gpt2", "smollm2-rollout", "smollm2-labels"], ...] = tuple(SETTINGS)[1:]
     """which settings to measure"""
     repeats: int = 5
     """timed calls of each method (after one warm-up call)"""
@@ -43,6 +44,8 @@ class Args:
 
 def make_model(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
+    if name == "tiny":
+        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000)).eval()
     if name == "gpt2":
         return GPT2LMHeadModel(GPT2Config()).eval()  # 124M: 12 layers, 768 wide, 50257 tokens
     config = LlamaConfig(  # SmolLM2-135M's shapes

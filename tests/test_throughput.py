@@ -39,3 +39,13 @@ def test_optimizations_benchmark_checks_each_pair_and_prints_the_table():
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 7 and all(row["before_s"] > 0 and row["after_s"] > 0 for row in rows)
     assert result.stdout.count("× |") == 7  # the markdown table
+
+
+def test_sampling_speed_compares_the_loop_with_generate_on_the_same_draws():
+    """benchmark/sampling_speed.py: one JSON line per setting with both timings, and the same tokens from both."""
+    command = [sys.executable, str(REPO / "benchmark" / "sampling_speed.py"), "--settings", "tiny", "--repeats", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    row = json.loads(result.stdout.strip().splitlines()[-1])
+    assert row["setting"] == "tiny" and row["same_tokens"] is True
+    assert row["generate_s"] > 0 and row["loop_s"] > 0 and row["loop_over_generate"] > 0
