@@ -34,8 +34,8 @@ def test_bf16_autocast_logprobs_and_values_stay_within_tolerance_of_fp32():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits_bf16, values_bf16 = policy(tokens, 16, PAD, 0.7)
             logprobs_bf16 = P.logprobs_from_logits(logits_bf16, responses)
-    assert logits_bf16.dtype == torch.bfloat16  # autocast really ran in bf16 ...
-    assert logprobs_bf16.dtype == torch.float32  # ... and the log-softmax did not
+    assert values_bf16.dtype == torch.bfloat16  # autocast really ran in bf16 ...
+    assert logits_bf16.dtype == logprobs_bf16.dtype == torch.float32  # ... but not logits / T nor the log-softmax
     difference = (logprobs_bf16 - reference).abs().max().item()
     assert 0 < difference < LOGPROB_TOLERANCE, difference
     assert (values_bf16.float() - values).abs().max().item() < VALUE_TOLERANCE
