@@ -59,6 +59,8 @@ class RewardHParams:
     """initial coefficient of the per-token KL penalty, beta"""
     use_adaptive_kl: bool = True
     """adapt kl_coef towards adaptive_kl.target; False keeps it fixed"""
+    per_token_kl: bool = True
+    """the KL penalty on every token; --rewards.no-per-token-kl puts the response's whole KL on its last token"""
     adaptive_kl: AdaptiveKLParams = field(default_factory=AdaptiveKLParams)
 
 
@@ -84,12 +86,16 @@ class PpoHParams:
     """policy ratio clip range"""
     cliprange_value: float = 0.2
     """value prediction clip range (around the rollout values)"""
+    clip_value: bool = True
+    """clip the value prediction around the rollout values; --ppo.no-clip-value: the plain squared error"""
     gamma: float = 1.0
     """discount factor"""
     lam: float = 0.95
     """GAE lambda"""
     whiten_rewards: bool = True
     """whiten the per-token rewards (without shifting their mean) before GAE"""
+    whiten_advantages: bool = True
+    """whiten the advantages (mean 0, std 1 per whitening share); --ppo.no-whiten-advantages leaves them as GAE gives"""
     whitening_ranks: int = 8
     """OAI ran on 8 MPI ranks, each shuffling its own share of the batch into minibatches and whitening rewards and
     advantages over its share of a minibatch: the batch is split into this many shares so that every number of
@@ -128,7 +134,9 @@ class TaskHParams:
     truncate_after: int = 16
     """a response is cut after the first truncate token at response index >= this"""
     temperature: float = 0.7
-    """sampling temperature; log-probs are always computed from logits divided by it"""
+    """sampling temperature"""
+    scale_logprobs: bool = True
+    """compute every log-prob from logits / temperature, as sampled; --task.no-scale-logprobs: from the raw logits"""
     penalty_reward_value: float = -1.0
     """score of a response with no truncate token at index >= truncate_after"""
     gold_labeler: Optional[Literal["sentiment", "descriptiveness"]] = None
@@ -144,6 +152,8 @@ class Args(run_utils.RunArgs):
     """global seed: process i samples with seed + i * 100003"""
     base_model: str = "gpt2"
     """pretrained causal LM for the policy and the reference policy: a Hub id or a local directory"""
+    zero_value_head: bool = True
+    """start the value head at exactly 0; --no-zero-value-head: nn.Linear's default (random) initialization"""
     use_tensorflow_adam: bool = True
     """TF1-style Adam (eps outside the bias correction, as in OAI); --no-use-tensorflow-adam: torch.optim.Adam"""
     local_rollout_forward_batch_size: int = 64
@@ -502,6 +512,9 @@ def validate_args(args: Args) -> Args:
     if ppo.whiten_rewards and share < MIN_WHITEN_ROWS:
         run_utils.fail(f"--ppo.whiten-rewards needs >= {MIN_WHITEN_ROWS} rows per whitening share of a minibatch, got "
                        f"{share}: raise --ppo.batch-size or lower --ppo.whitening-ranks / --ppo.nminibatches")  # fmt: skip
+    if args.logprobs_from_generation and not args.task.scale_logprobs:
+        run_utils.fail("--logprobs-from-generation keeps the sampling log-probs, of logits / temperature: it cannot be "
+                       "combined with --task.no-scale-logprobs")  # fmt: skip
     if not 0 <= args.task.truncate_after < args.task.response_length:
         run_utils.fail("--task.truncate-after must be >= 0 and < --task.response-length")
     if args.rewards.trained_model is None:
@@ -594,13 +607,15 @@ class FixedKLController:
 class PolicyAndValueWrapper(nn.Module):
     """The policy LM and a value head sharing its trunk (one model, one optimizer, like OAI)."""
 
-    def __init__(self, lm: nn.Module):
+    def __init__(self, lm: nn.Module, zero_init: bool = True):
         super().__init__()
         self.lm = lm
         self.value_head = nn.Linear(lm.config.hidden_size, 1)
         # detail: value head initialization — zeros, weight and bias (OAI language/model.py): first values exactly 0
-        nn.init.zeros_(self.value_head.weight)
-        nn.init.zeros_(self.value_head.bias)
+        # (--no-zero-value-head keeps nn.Linear's random init)
+        if zero_init:
+            nn.init.zeros_(self.value_head.weight)
+            nn.init.zeros_(self.value_head.bias)
 
     def forward(self, query_responses: torch.Tensor, context_length: int, pad_id: int, temperature: float):
         """Logits / temperature and values at the T positions that predict the response: ((B, T, V), (B, T))."""
@@ -611,7 +626,7 @@ class PolicyAndValueWrapper(nn.Module):
 def response_logits(lm: nn.Module, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
     """The LM head's logits at the response positions only, divided by the sampling temperature: (B, T, V)."""
     # detail: logits scaled by the sampling temperature — for the log-probs too (OAI policy.py analyze_responses_op;
-    # without it the KL grows too fast)
+    # without it the KL grows too fast; --task.no-scale-logprobs passes temperature 1 here)
     logits = lm.get_output_embeddings()(hidden).float()  # fp32 also under bf16 autocast, before the division
     return logits / temperature
 
@@ -639,15 +654,16 @@ def rollout(policy: PolicyAndValueWrapper, ref_lm, contexts, pad_id: int, args: 
     """Sample a response to every context (prefix ⊕ query ⊕ suffix) and what PPO needs of it, in chunks of
     --local-rollout-forward-batch-size rows: responses, policy log-probs, reference log-probs, values, (B, T) each."""
     length, temperature, outputs = args.task.response_length, args.task.temperature, []
+    scale = temperature if args.task.scale_logprobs else 1.0  # the log-probs' logits are divided by it
     for context in contexts.split(args.local_rollout_forward_batch_size):
         response, logprobs, hidden = sample_responses(policy.lm, context, pad_id, length, temperature)
         value = policy.value_head(hidden).squeeze(-1)  # the log-probs and values of the sampling forwards, as OAI's
         timer("time/generation")
         query_response = torch.cat([context, response], 1)  # (b, C' + T)
         if not args.logprobs_from_generation:  # one more forward over query ⊕ response: the first PPO ratios are 1
-            logits, value = policy(query_response, context.shape[1], pad_id, temperature)
+            logits, value = policy(query_response, context.shape[1], pad_id, scale)
             logprobs = logprobs_from_logits(logits, response)
-        ref_logits = lm_logits(ref_lm, query_response, context.shape[1], pad_id, temperature)
+        ref_logits = lm_logits(ref_lm, query_response, context.shape[1], pad_id, scale)
         outputs.append([response, logprobs, logprobs_from_logits(ref_logits, response), value.float()])
         timer("time/logprobs")
     return [torch.cat(tensors) for tensors in zip(*outputs, strict=True)]
@@ -665,12 +681,15 @@ def score_responses(reward_model: RewardModel, queries, responses, truncate_toke
     return postprocessed, torch.where(has_cut, scores, torch.full_like(scores, args.task.penalty_reward_value))
 
 
-def compute_rewards(scores, logprobs, ref_logprobs, kl_coef: float):
+def compute_rewards(scores, logprobs, ref_logprobs, kl_coef: float, per_token: bool = True):
     """Per-token rewards and their parts: (kl, non_score_reward, rewards), (B, T) each."""
     # detail: per-token KL penalty — -kl_coef * (logprobs - ref_logprobs) on every token, plus the score on the last
-    # token T-1, always the last, even when the response was truncated earlier (OAI train_policy.py compute_rewards)
+    # token T-1, always the last, even when the response was truncated earlier (OAI train_policy.py compute_rewards);
+    # --rewards.no-per-token-kl: the same total penalty, all of it on the last token
     kl = logprobs - ref_logprobs
     non_score_reward = -kl_coef * kl
+    if not per_token:
+        non_score_reward = F.pad(non_score_reward.sum(1, keepdim=True), (kl.shape[1] - 1, 0))  # (B, T): 0, ..., total
     rewards = non_score_reward.clone()
     rewards[:, -1] += scores
     return kl, non_score_reward, rewards
@@ -690,7 +709,8 @@ def compute_advantages(rewards: torch.Tensor, values: torch.Tensor, ppo: PpoHPar
     values (G, rows, T), or (rows, T) for one share; returns (advantages, returns) of the same shape. GAE with
     bootstrap value 0 after the last token: δ_t = r_t + γ V_{t+1} - V_t, A_t = δ_t + γ λ A_{t+1}."""
     # detail: per-minibatch reward and advantage whitening — rewards with shift_mean=False, advantages with
-    # shift_mean=True, over what one OAI rank held of a minibatch (OAI train_policy.py PPOTrainer.loss)
+    # shift_mean=True, over what one OAI rank held of a minibatch (OAI train_policy.py PPOTrainer.loss);
+    # --ppo.no-whiten-rewards, --ppo.no-whiten-advantages switch each off
     # detail: discount factor 1 — γ = --ppo.gamma = 1 by default (OAI train_policy.py PpoHParams)
     if ppo.whiten_rewards:
         rewards = whiten(rewards, shift_mean=False)
@@ -702,16 +722,17 @@ def compute_advantages(rewards: torch.Tensor, values: torch.Tensor, ppo: PpoHPar
         advantages.append(last_advantage)
     advantages = torch.stack(advantages[::-1], -1)
     returns = advantages + values
-    return whiten(advantages), returns
+    return (whiten(advantages) if ppo.whiten_advantages else advantages), returns
 
 
 def ppo_losses(new_logprobs, vpred, logprobs, values, advantages, returns, ppo: PpoHParams):
     """Clipped policy and value losses, means over all B×T tokens (OAI: no response mask), and their statistics."""
     # detail: clipped value function — the value prediction may move at most cliprange_value from the rollout value,
-    # the larger of the two squared errors counts (OAI train_policy.py PPOTrainer.loss, as baselines' ppo2)
+    # the larger of the two squared errors counts (OAI train_policy.py PPOTrainer.loss, as baselines' ppo2);
+    # --ppo.no-clip-value: the plain squared error
     vpred_clipped = values + torch.clamp(vpred - values, -ppo.cliprange_value, ppo.cliprange_value)
     vf_losses1, vf_losses2 = (vpred - returns) ** 2, (vpred_clipped - returns) ** 2
-    vf_loss = 0.5 * torch.max(vf_losses1, vf_losses2).mean()
+    vf_loss = 0.5 * (torch.max(vf_losses1, vf_losses2) if ppo.clip_value else vf_losses1).mean()
     log_ratio = new_logprobs - logprobs
     ratio = torch.exp(log_ratio)
     pg_losses1 = -advantages * ratio
@@ -895,6 +916,7 @@ def main(args: Args) -> None:
         return run_utils.print_dry_run(args, keys)
     task, ppo = args.task, args.ppo
     pad_id, cut_token_id = tokenizer.pad_token_id, truncate_token_id(tokenizer, task)
+    scale = task.temperature if task.scale_logprobs else 1.0  # the log-probs' logits are divided by it
     accelerator = Accelerator(
         gradient_accumulation_steps=ppo.gradient_accumulation_steps, mixed_precision=args.mixed_precision
     )
@@ -903,7 +925,9 @@ def main(args: Args) -> None:
         return
     run_utils.setup_device(accelerator, args.allow_tf32)
     device = accelerator.device
-    policy = PolicyAndValueWrapper(load_pretrained(AutoModelForCausalLM, args.base_model, "--base-model"))
+    torch.manual_seed(args.seed)  # the value head's init: random only with --no-zero-value-head
+    lm = load_pretrained(AutoModelForCausalLM, args.base_model, "--base-model")
+    policy = PolicyAndValueWrapper(lm, args.zero_value_head)
     ref_lm = load_pretrained(AutoModelForCausalLM, args.base_model, "--base-model").to(device).eval()
     ref_lm.requires_grad_(False)
     reward_model = load_reward_model(args.rewards.trained_model).to(device).eval().requires_grad_(False)
@@ -957,7 +981,9 @@ def main(args: Args) -> None:
             postprocessed_responses, scores = score_responses(reward_model, queries, responses, cut_token_id, args)
         timer("time/scoring")
         # 3. per-token KL rewards, the score added on the last token
-        kl, non_score_reward, rewards = compute_rewards(scores, logprobs, ref_logprobs, kl_coef)  # (B, T) each
+        kl, non_score_reward, rewards = compute_rewards(
+            scores, logprobs, ref_logprobs, kl_coef, args.rewards.per_token_kl
+        )
         query_responses = torch.cat([contexts, responses], 1)  # (B, C' + T)
         # 4. PPO epochs; in each minibatch: whiten the rewards, GAE, whiten the advantages, clipped losses, one step
         # detail: batches and minibatches — a fresh shuffle every epoch, one optimizer step per minibatch, its
@@ -973,7 +999,7 @@ def main(args: Args) -> None:
                 for micro in torch.arange(len(mini_ids), device=device).split(args.micro_batch_size):  # accumulation
                     ids = mini_ids[micro]  # rows of the batch; `micro` indexes the minibatch's advantages and returns
                     with accelerator.accumulate(policy):
-                        logits, vpred = train_forward(query_responses[ids], contexts.shape[1], pad_id, task.temperature)
+                        logits, vpred = train_forward(query_responses[ids], contexts.shape[1], pad_id, scale)
                         new_logprobs, entropy = logprobs_from_logits(logits, responses[ids], with_entropy=True)
                         loss, micro_stats = ppo_losses(new_logprobs, vpred.float(), logprobs[ids], values[ids],
                                                        advantages[micro], returns[micro], ppo)  # fmt: skip

@@ -127,6 +127,18 @@ def test_compute_rewards_score_at_t_minus_1_even_when_truncated_earlier():
     assert rewards[0, :23].abs().sum().item() == 0.0  # not at 18, the last real token
 
 
+def test_no_per_token_kl_puts_the_same_total_penalty_on_the_last_token_only():
+    """--rewards.no-per-token-kl (an ablation): the example above, with each row's whole KL penalty at T-1."""
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.2, -0.1]])
+    ref_logprobs = torch.tensor([[-1.5, -1.0, -0.5], [-0.1, -0.2, -0.6]])
+    scores = torch.tensor([2.0, -1.0])
+    kl, non_score_reward, rewards = P.compute_rewards(scores, logprobs, ref_logprobs, 0.1, per_token=False)
+    torch.testing.assert_close(kl, torch.tensor([[0.5, -1.0, 0.0], [-0.2, 0.0, 0.5]]))  # the KL itself unchanged
+    # row sums of -0.1 kl: 0.05 and -0.03, at index T-1 only
+    torch.testing.assert_close(non_score_reward, torch.tensor([[0.0, 0.0, 0.05], [0.0, 0.0, -0.03]]))
+    torch.testing.assert_close(rewards, torch.tensor([[0.0, 0.0, 2.05], [0.0, 0.0, -1.03]]))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 4. whitening and 5. GAE
 
@@ -153,6 +165,16 @@ def test_gae_by_hand_without_reward_whitening():
     torch.testing.assert_close(returns, torch.tensor([[0.84675, 0.765, 1.0]]), atol=1e-6, rtol=0)
     # whiten([0.34675, 0.365, 0.7]): mean 0.470583, biased std 0.162394
     torch.testing.assert_close(advantages, torch.tensor([[-0.762553, -0.650171, 1.412724]]), atol=1e-5, rtol=0)
+
+
+def test_no_whiten_advantages_returns_gae_as_it_is():
+    """--ppo.no-whiten-advantages (an ablation): the advantages of the example above before whitening; the returns
+    do not change."""
+    ppo = P.PpoHParams(gamma=1.0, lam=0.95, whiten_rewards=False, whiten_advantages=False)
+    rewards, values = torch.tensor([[0.1, -0.2, 1.0]]), torch.tensor([[0.5, 0.4, 0.3]])
+    advantages, returns = P.compute_advantages(rewards, values, ppo)
+    torch.testing.assert_close(advantages, torch.tensor([[0.34675, 0.365, 0.7]]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(returns, torch.tensor([[0.84675, 0.765, 1.0]]), atol=1e-6, rtol=0)
 
 
 def test_gae_with_reward_whitening_uses_the_whitened_rewards():
@@ -207,6 +229,22 @@ def test_ppo_losses_by_hand_with_and_without_clipping():
     # d loss / d vpred = 0.1 * 0.5 * 2 (vpred - R) / 4 = 0.025 (vpred - R) where the unclipped term wins (or the
     # clip is inactive), 0 where the saturated clipped term wins
     torch.testing.assert_close(vpred.grad, torch.tensor([[0.0, 0.0025], [-0.0125, 0.0]]))
+
+
+def test_no_clip_value_takes_the_plain_squared_error():
+    """--ppo.no-clip-value (an ablation): in the example above the value loss is 0.5 mean((vpred - R)^2) =
+    0.5 * (0.25 + 0.01 + 0.25 + 0) / 4 = 0.06375 instead of 0.11375; the policy loss is unchanged, and the gradient
+    reaches vpred at every token: 0.025 (vpred - R)."""
+    ppo = P.PpoHParams(cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, clip_value=False)
+    _, _, new_logprobs, vpred = ppo_example()
+    vpred = vpred.detach().requires_grad_()
+    logprobs, values = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]]), torch.zeros(2, 2)
+    advantages, returns = torch.tensor([[1.0, -2.0], [-1.0, -1.0]]), torch.tensor([[1.0, 0.0], [0.0, 0.3]])
+    loss, stats = P.ppo_losses(new_logprobs.detach(), vpred, logprobs, values, advantages, returns, ppo)
+    assert stats["ppo/loss/value"].item() == pytest.approx(0.06375, abs=1e-6)
+    assert stats["ppo/loss/policy"].item() == pytest.approx(0.725, abs=1e-6)
+    loss.backward()
+    torch.testing.assert_close(vpred.grad, torch.tensor([[-0.0125, 0.0025], [-0.0125, 0.0]]))
 
 
 def test_ppo_clipfrac_counts_tokens_where_the_clipped_term_wins_like_oai():
@@ -441,6 +479,19 @@ def test_value_head_starts_at_exactly_zero():
     assert policy.value_head.weight.requires_grad  # trained with the trunk (one optimizer)
 
 
+def test_no_zero_value_head_keeps_a_random_init_and_nothing_else_changes():
+    """--no-zero-value-head (an ablation): nn.Linear's default init, so the first values are not 0; the LM is the
+    same model and its logits do not change."""
+    lm = make_lm("gpt2")
+    query_responses = torch.tensor([[PAD, 15496, 995, 11, 339, 561]])
+    with torch.no_grad():
+        zero_logits, _ = P.PolicyAndValueWrapper(lm)(query_responses, 3, PAD, 0.7)
+        policy = P.PolicyAndValueWrapper(lm, zero_init=False)
+        logits, values = policy(query_responses, 3, PAD, 0.7)
+    assert policy.value_head.weight.abs().min().item() > 0 and values.abs().min().item() > 0
+    assert torch.equal(logits, zero_logits)
+
+
 def test_logprobs_and_entropy_by_hand():
     logits = torch.tensor([[[0.0, math.log(3.0)], [0.0, 0.0]]])  # p = [1/4, 3/4] then [1/2, 1/2]
     logprobs = P.logprobs_from_logits(logits, torch.tensor([[1, 0]]))
@@ -482,6 +533,40 @@ def test_logprobs_from_generation_match_the_recomputed_ones_and_skip_the_policy_
     torch.testing.assert_close(on["logprobs"], off["logprobs"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(on["values"], off["values"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(on["ref_logprobs"], off["ref_logprobs"], atol=0, rtol=0)
+
+
+def test_no_scale_logprobs_takes_the_log_probs_of_the_raw_logits_but_samples_at_the_temperature():
+    """--task.no-scale-logprobs (an ablation): the same draws (sampling stays at T = 0.7), but the policy and
+    reference log-probs are those of logits / 1, not logits / 0.7; values unchanged."""
+    lm, ref_lm = make_lm("gpt2"), make_lm("gpt2")
+    pad_id = lm.config.vocab_size
+    policy = P.PolicyAndValueWrapper(lm)
+    contexts = torch.randint(0, 1000, (4, 6), generator=torch.Generator().manual_seed(0))
+    args = P.Args(local_rollout_forward_batch_size=4)
+    results = {}
+    for scale in (True, False):
+        args.task = P.TaskHParams(response_length=5, truncate_after=1, temperature=0.7, scale_logprobs=scale)
+        torch.manual_seed(0)
+        results[scale] = P.rollout(policy, ref_lm, contexts, pad_id, args)
+    (responses, logprobs, ref_logprobs, values), raw = results[True], results[False]
+    assert torch.equal(raw[0], responses) and torch.equal(raw[3], values)
+    query_responses = torch.cat([contexts, responses], 1)
+    with torch.no_grad():
+        for model, scaled, unscaled in ((lm, logprobs, raw[1]), (ref_lm, ref_logprobs, raw[2])):
+            expected = {t: P.logprobs_from_logits(P.lm_logits(model, query_responses, 6, pad_id, t), responses)
+                        for t in (0.7, 1.0)}  # fmt: skip
+            torch.testing.assert_close(scaled, expected[0.7], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(unscaled, expected[1.0], atol=1e-5, rtol=1e-5)
+            assert (scaled - unscaled).abs().max() > 0.05  # a difference worth the name
+
+
+def test_no_scale_logprobs_refuses_logprobs_from_generation(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = policy_args()
+    args.logprobs_from_generation, args.task.scale_logprobs = True, False
+    with pytest.raises(SystemExit) as failure:
+        P.validate_args(args)
+    assert "--task.no-scale-logprobs" in one_line_error(failure)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,104 @@
+"""benchmark/ablations.py: each arm's flags are accepted by the scripts and change exactly the detail it names; the
+dry run prints every arm's commands; the report's numbers from runs laid out as the suite writes them."""
+
+import dataclasses
+import json
+import shlex
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+import run_utils
+import train_policy_accelerate as P
+import train_reward_accelerate as R
+
+sys.path.insert(0, str(REPO / "benchmark"))
+import ablations  # noqa: E402
+
+
+def flat(config, prefix: str = "") -> dict:
+    fields = {}
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if dataclasses.is_dataclass(value):
+            fields.update(flat(value, f"{prefix}{field.name}."))
+        else:
+            fields[f"{prefix}{field.name}"] = value
+    return fields
+
+
+@pytest.mark.parametrize("name", [*ablations.ARMS, *ablations.PAPER_ONLY])
+def test_each_arm_changes_exactly_its_detail(name):
+    arm = {**ablations.ARMS, **ablations.PAPER_ONLY}[name]
+    changed = {}
+    for script, flags, base in ((P, arm.policy_flags, ["--rewards.trained-model", "x"]), (R, arm.reward_flags, [])):
+        full, switched = (flat(run_utils.task_cli(script.task_defaults, base + list(extra))) for extra in ([], flags))
+        changed.update({key: value for key, value in switched.items() if full[key] != value})
+    assert changed == dict(arm.changes)
+    assert bool(changed) == (name != "full")
+
+
+@pytest.mark.parametrize("scale", ["cpu", "paper"])
+def test_dry_run_prints_every_arms_commands_and_runs_nothing(scale, tmp_path):
+    out = tmp_path / "abl"
+    command = [sys.executable, str(REPO / "benchmark" / "ablations.py"), "--scale", scale, "--dry-run",
+               "--output-dir", str(out), "--num-seeds", "3"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    arms = {**ablations.ARMS, **(ablations.PAPER_ONLY if scale == "paper" else {})}
+    for name, arm in arms.items():
+        mine = [line for line in lines if line.startswith(f"{name}: ")]
+        assert mine, name
+        words = shlex.split(mine[-1].split(": ", 1)[1])
+        if scale == "cpu":
+            assert words[:2] == ["python", "quickstart.py"] and "--seed" in words
+            reuses = "--reward-model" in words
+            assert reuses == (name != "full" and not arm.reward_flags)
+            if arm.policy_flags:
+                assert shlex.split(words[words.index("--policy-args") + 1]) == list(arm.policy_flags)
+        else:
+            assert "train_policy_accelerate.py" in words and "--task.gold-labeler" in words
+            assert not arm.policy_flags or words[-len(arm.policy_flags) :] == list(arm.policy_flags)
+    assert "GPU-hours" in result.stdout if scale == "paper" else "quick starts" in result.stdout
+    launcher = next(line for line in lines if line.startswith("launcher: "))
+    assert launcher.count("--command") == sum(len(ablations.arm_commands(ablations.Args(scale=scale), n, a, out))
+                                              for n, a in arms.items())  # fmt: skip
+    assert not out.exists()
+
+
+def test_unknown_arm_is_one_line():
+    result = subprocess.run([sys.executable, str(REPO / "benchmark" / "ablations.py"), "--arms", "nope", "--dry-run"],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: --arms nope")
+
+
+def fake_run(run_dir, gold_gain: float, kl: float, approxkl: float) -> None:
+    (run_dir / "policy").mkdir(parents=True)
+    rows = [{"update": 0, "episode": 0, "eval/gold_score": 0.2, "eval/rm_score": -0.5, "eval/kl": 0.0}]
+    rows += [{"update": u, "episode": 16 * u, "objective/kl": kl * u / 2, "ppo/policy/approxkl": approxkl * u,
+              "ppo/policy/clipfrac": 0.1} for u in (1, 2)]  # fmt: skip
+    rows[-1].update({"eval/gold_score": 0.2 + gold_gain, "eval/rm_score": 1.0, "eval/kl": kl})
+    (run_dir / "policy" / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    mean = {"mean": 0.0}
+    policy = {"gold_score": {"difference": {"mean": gold_gain}}, "rm_score": {"difference": {"mean": 1.5}},
+              "final_kl": {"mean": kl}, "kl": mean}  # fmt: skip
+    (run_dir / "summary.json").write_text(json.dumps({"policy": policy}))
+
+
+def test_report_pairs_each_arm_with_the_full_recipe_by_seed(tmp_path):
+    """Gains 0.5, 0.6, 0.7 (full) and 0.1, 0.3, 0.2 (arm): the full recipe's mean 0.6 ± t(2) 4.303 · 0.1/√3 =
+    ±0.2484; the paired differences -0.4, -0.3, -0.5: mean -0.4, the same half-width."""
+    for seed, (full, arm) in enumerate(((0.5, 0.1), (0.6, 0.3), (0.7, 0.2)), 1):
+        fake_run(tmp_path / "full" / f"seed_{seed}", full, kl=10.0, approxkl=0.01)
+        fake_run(tmp_path / "fixed-kl" / f"seed_{seed}", arm, kl=20.0, approxkl=0.02)
+    args = ablations.Args(arms=("fixed-kl",), num_seeds=3, output_dir=str(tmp_path))
+    table = ablations.report(args, ablations.arms_of("cpu", args.arms), tmp_path)
+    rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()[2:]}
+    assert "| 3 | +0.600 [+0.352, +0.848] | — |" in rows["full"]
+    assert "| 3 | +0.200 [-0.048, +0.448] | -0.400 [-0.648, -0.152] |" in rows["fixed-kl"]
+    assert "| 20.0 | 0.0300 (0.020) | 0.100 | 0 of 3 |" in rows["fixed-kl"]
+    assert (tmp_path / "ablations.md").read_text() == table and (tmp_path / "ablations.png").stat().st_size > 1000
