@@ -88,7 +88,7 @@ class TaskHParams:
     truncate_after: int = 16
     """a response is cut after the first truncate token at response index >= this"""
     temperature: float = 0.7
-    """sampling temperature; log-probs are always computed from logits divided by it"""
+    """sampling temperature"""
 
 
 @dataclass

@@ -70,6 +70,8 @@ class Args:
     """where the runs go (default runs/ablations/SCALE)"""
     updates: Optional[int] = None
     """cpu scale: PPO updates per run instead of the quick start's 24 (to shrink the study)"""
+    smoke: bool = False
+    """cpu scale: every run at quickstart.py --smoke sizes (the machinery in a few minutes, no result)"""
     launcher_args: str = ""
     """extra flags of benchmark/benchmark.py, e.g. "--slurm --slurm-gpus-per-task 8 --slurm-partition gpu" """
     processes: int = 8
@@ -94,14 +96,16 @@ def arm_commands(args: Args, name: str, arm: Arm, out: Path) -> list[str]:
     own_reward = name == "full" or arm.reward_flags
     if args.scale == "cpu":
         command = ["python", "quickstart.py", "--seed", "{seed}", "--output-dir", str(run_dir)]
+        if args.smoke:
+            command.append("--smoke")
         if args.updates is not None:
             command += ["--updates", str(args.updates)]
         if not own_reward:
             command += ["--reward-model", str(out / "full" / "seed_{seed}" / "reward" / "reward_model")]
-        if arm.reward_flags:
-            command += ["--reward-args", shlex.join(arm.reward_flags)]
+        if arm.reward_flags:  # `--flag=value`: the value starts with "--"
+            command.append(f"--reward-args={shlex.join(arm.reward_flags)}")
         if arm.policy_flags:
-            command += ["--policy-args", shlex.join(arm.policy_flags)]
+            command.append(f"--policy-args={shlex.join(arm.policy_flags)}")
         return [shlex.join(command)]
     commands, reward_dir = [], (run_dir if own_reward else out / "full" / "seed_{seed}") / "reward"
     if own_reward:
@@ -182,7 +186,7 @@ def report(args: Args, arms: dict[str, Arm], out: Path) -> str:
                   if full.get(seed) is not None and "gold_gain" in full[seed]]  # fmt: skip
         mean, low, high = mean_ci(gains)
         pmean, plow, phigh = mean_ci(paired) if name != "full" else (math.nan,) * 3
-        average = {key: sum(run[key] for run in done.values()) / max(len(done), 1) for key in
+        average = {key: sum(run[key] for run in done.values()) / len(done) if done else math.nan for key in
                    ("rm_gain", "final_kl", "approxkl", "approxkl_first", "clipfrac")}  # fmt: skip
         diverged = sum(run is None or run["diverged"] for run in by_seed.values())
         lines.append(

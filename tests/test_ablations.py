@@ -57,8 +57,11 @@ def test_dry_run_prints_every_arms_commands_and_runs_nothing(scale, tmp_path):
             assert words[:2] == ["python", "quickstart.py"] and "--seed" in words
             reuses = "--reward-model" in words
             assert reuses == (name != "full" and not arm.reward_flags)
-            if arm.policy_flags:
-                assert shlex.split(words[words.index("--policy-args") + 1]) == list(arm.policy_flags)
+            given = {
+                word.split("=", 1)[0]: word.split("=", 1)[1] for word in words if word.startswith("--") and "=" in word
+            }
+            assert shlex.split(given.get("--policy-args", "")) == list(arm.policy_flags)
+            assert shlex.split(given.get("--reward-args", "")) == list(arm.reward_flags)
         else:
             assert "train_policy_accelerate.py" in words and "--task.gold-labeler" in words
             assert not arm.policy_flags or words[-len(arm.policy_flags) :] == list(arm.policy_flags)
