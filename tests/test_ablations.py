@@ -13,9 +13,7 @@ from conftest import REPO
 import run_utils
 import train_policy_accelerate as P
 import train_reward_accelerate as R
-
-sys.path.insert(0, str(REPO / "benchmark"))
-import ablations  # noqa: E402
+from benchmark import ablations
 
 
 def flat(config, prefix: str = "") -> dict:
