@@ -68,6 +68,11 @@ class QueryTexts:
         self.name, self.config, self.field, self.rows_per_text = name, config, field, rows_per_text
         self.rows = self.read_file() if os.path.isfile(name) else self.read_dataset()
 
+    @classmethod
+    def of_task(cls, task) -> "QueryTexts":
+        """The texts of a script's --task.query-dataset / -config / -field / --task.passage-rows."""
+        return cls(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
+
     def __len__(self) -> int:
         return len(self.rows) // self.rows_per_text
 

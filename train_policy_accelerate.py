@@ -300,8 +300,9 @@ def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, respons
         output = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **cache)
         hidden = output.last_hidden_state[:, -1]  # (B, d): the newest position
         logits = lm.get_output_embeddings()(hidden).float() / temperature  # (B, V)
-        token = torch.multinomial(F.softmax(logits, dim=-1), 1)  # (B, 1)
-        steps.append((token, F.log_softmax(logits, dim=-1).gather(1, token), hidden))
+        probabilities = F.softmax(logits, dim=-1)
+        token = torch.multinomial(probabilities, 1)  # (B, 1)
+        steps.append((token, probabilities.gather(1, token).log(), hidden))  # its log-prob, no second pass over V
         input_ids, position_ids = token, position_ids[:, -1:] + 1
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
     tokens, logprobs, hiddens = zip(*steps, strict=True)
@@ -548,7 +549,7 @@ def read_inputs(args: Args):
     check_reward_model(args.rewards.trained_model, tokenizer)
     texts = None
     if query_texts:
-        texts = rlhf_data.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
+        texts = rlhf_data.QueryTexts.of_task(task)
         QueryStream(texts, tokenizer, task, tokenizer.pad_token_id, args.seed).next_batch(1)  # yields a query
     return tokenizer, texts
 
@@ -657,10 +658,11 @@ def rollout(policy: PolicyAndValueWrapper, ref_lm, contexts, pad_id: int, args: 
     scale = temperature if args.task.scale_logprobs else 1.0  # the log-probs' logits are divided by it
     for context in contexts.split(args.local_rollout_forward_batch_size):
         response, logprobs, hidden = sample_responses(policy.lm, context, pad_id, length, temperature)
-        value = policy.value_head(hidden).squeeze(-1)  # the log-probs and values of the sampling forwards, as OAI's
         timer("time/generation")
         query_response = torch.cat([context, response], 1)  # (b, C' + T)
-        if not args.logprobs_from_generation:  # one more forward over query ⊕ response: the first PPO ratios are 1
+        if args.logprobs_from_generation:  # the sampling forwards' log-probs and values, as OAI's policy.respond
+            value = policy.value_head(hidden).squeeze(-1)
+        else:  # one more forward over query ⊕ response: the first PPO ratios are exactly 1
             logits, value = policy(query_response, context.shape[1], pad_id, scale)
             logprobs = logprobs_from_logits(logits, response)
         ref_logits = lm_logits(ref_lm, query_response, context.shape[1], pad_id, scale)
@@ -859,7 +861,7 @@ def held_out_texts(args: Args) -> tuple[list[str], frozenset[str]]:
     """Every text of --task.query-dataset, and those the gold evaluation keeps out of training (held_out_queries), for
     validated args, loading only the tokenizer: quickstart.py keeps the latter out of the reward model's labels too."""
     task = args.task
-    texts = rlhf_data.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
+    texts = rlhf_data.QueryTexts.of_task(task)
     _, _, held_out = held_out_queries(texts, load_tokenizer(args.base_model, "--base-model"), task, args.eval_queries)
     return [texts[i] for i in range(len(texts))], held_out
 

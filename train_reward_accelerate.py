@@ -253,8 +253,9 @@ def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, respons
         output = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **cache)
         hidden = output.last_hidden_state[:, -1]  # (B, d): the newest position
         logits = lm.get_output_embeddings()(hidden).float() / temperature  # (B, V)
-        token = torch.multinomial(F.softmax(logits, dim=-1), 1)  # (B, 1)
-        steps.append((token, F.log_softmax(logits, dim=-1).gather(1, token), hidden))
+        probabilities = F.softmax(logits, dim=-1)
+        token = torch.multinomial(probabilities, 1)  # (B, 1)
+        steps.append((token, probabilities.gather(1, token).log(), hidden))  # its log-prob, no second pass over V
         input_ids, position_ids = token, position_ids[:, -1:] + 1
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
     tokens, logprobs, hiddens = zip(*steps, strict=True)
@@ -502,7 +503,7 @@ def read_inputs(args: Args):
             run_utils.hub_file(args.label_dataset_repo, args.label_dataset, "--label-dataset"), tokenizer, args
         )
     if query_texts:
-        texts = rlhf_data.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
+        texts = rlhf_data.QueryTexts.of_task(task)
         QueryStream(texts, tokenizer, task, tokenizer.pad_token_id, args.seed).next_batch(1)  # yields a query
     return tokenizer, labels, texts
 

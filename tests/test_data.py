@@ -157,7 +157,7 @@ def test_a_hub_dataset_with_a_loading_script_is_read_from_its_parquet_conversion
     calls, rows = hub
     task = books_task()  # the default: bookcorpus/bookcorpus, passages of 8 rows
     assert task.query_dataset == "bookcorpus/bookcorpus"
-    texts = rlhf_data.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
+    texts = rlhf_data.QueryTexts.of_task(task)
     assert [call[2] for call in calls] == [None, "refs/convert/parquet"]  # main refused, then the conversion
     assert len(texts) == 75 and texts[74] == " ".join(rows[592:])  # 600 rows, 8 to a passage
     epochs = [list(texts.epoch(0, seed=1, rank=rank, world_size=3)) for rank in range(3)]
@@ -183,7 +183,7 @@ def test_a_hub_dataset_of_parquet_files_loads_its_configuration(hub, tokenizer):
     calls, _ = hub
     task = books_task("--task.name", "cnndm")
     assert (task.query_dataset, task.query_dataset_config) == ("abisee/cnn_dailymail", "3.0.0")
-    texts = rlhf_data.QueryTexts(task.query_dataset, task.query_dataset_config, task.query_field, task.passage_rows)
+    texts = rlhf_data.QueryTexts.of_task(task)
     assert calls == [("abisee/cnn_dailymail", ("3.0.0",), None, None)]
     task.query_length = 8
     queries = R.QueryStream(texts, tokenizer, task, PAD, seed=0).next_batch(3)

@@ -205,7 +205,8 @@ def is_read(name: str, accesses: set[tuple[str, str]]) -> bool:
 
 @pytest.mark.parametrize("kind", SCRIPTS)
 def test_every_args_field_is_read(kind):
-    accesses = field_reads(SCRIPTS[kind].read_text() + "\n" + (REPO / "run_utils.py").read_text())
+    readers = [SCRIPTS[kind], REPO / "run_utils.py", REPO / "rlhf_data.py"]  # the script and the modules it imports
+    accesses = field_reads("\n".join(path.read_text() for path in readers))
     fields = all_fields(MODULES[kind].Args)
     assert "task.query_length" in fields and "checkpoint_every" in fields and len(fields) > 30
     unread = [name for name in fields if not is_read(name, accesses)]
