@@ -70,6 +70,8 @@ class Args:
     """where the runs go (default runs/ablations/SCALE)"""
     updates: Optional[int] = None
     """cpu scale: PPO updates per run instead of the quick start's 24 (to shrink the study)"""
+    eval_every: Optional[int] = None
+    """cpu scale: quickstart.py --eval-every instead of its 6 (the evaluations before and after always run)"""
     smoke: bool = False
     """cpu scale: every run at quickstart.py --smoke sizes (the machinery in a few minutes, no result)"""
     launcher_args: str = ""
@@ -100,6 +102,8 @@ def arm_commands(args: Args, name: str, arm: Arm, out: Path) -> list[str]:
             command.append("--smoke")
         if args.updates is not None:
             command += ["--updates", str(args.updates)]
+        if args.eval_every is not None:
+            command += ["--eval-every", str(args.eval_every)]
         if not own_reward:
             command += ["--reward-model", str(out / "full" / "seed_{seed}" / "reward" / "reward_model")]
         if arm.reward_flags:  # `--flag=value`: the value starts with "--"

@@ -103,3 +103,13 @@ def test_report_pairs_each_arm_with_the_full_recipe_by_seed(tmp_path):
     assert "| 3 | +0.200 [-0.048, +0.448] | -0.400 [-0.648, -0.152] |" in rows["fixed-kl"]
     assert "| 20.0 | 0.0300 (0.020) | 0.100 | 0 of 3 |" in rows["fixed-kl"]
     assert (tmp_path / "ablations.md").read_text() == table and (tmp_path / "ablations.png").stat().st_size > 1000
+
+
+def test_shrinking_flags_reach_every_cpu_run(tmp_path):
+    args = ablations.Args(updates=20, eval_every=10)
+    for name, arm in ablations.ARMS.items():
+        (line,) = ablations.arm_commands(args, name, arm, tmp_path)
+        words = shlex.split(line)
+        assert words[words.index("--updates") + 1] == "20" and words[words.index("--eval-every") + 1] == "10", name
+    (plain,) = ablations.arm_commands(ablations.Args(), "full", ablations.ARMS["full"], tmp_path)
+    assert "--updates" not in plain and "--eval-every" not in plain
