@@ -163,6 +163,7 @@ def read_run(run_dir: Path) -> Optional[dict]:
         policy = json.loads(summary_path.read_text())["policy"]
         run.update(gold_gain=policy["gold_score"]["difference"]["mean"], rm_gain=policy["rm_score"]["difference"]["mean"],
                    final_kl=policy["final_kl"]["mean"])  # fmt: skip
+        run["minutes"] = json.loads(summary_path.read_text()).get("timings_s", {}).get("total", math.nan) / 60
     else:  # paper scale: the policy run's own first and last gold evaluation
         evals = [row for row in rows if "eval/gold_score" in row]
         if len(evals) >= 2:
@@ -180,8 +181,8 @@ def report(args: Args, arms: dict[str, Arm], out: Path) -> str:
     full = runs["full"]
     lines = [
         "| arm | seeds | gold gain [95% CI] | minus full, paired [95% CI] | RM gain | final KL | approxkl (first update) "
-        "| clip fraction | diverged |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| clip fraction | diverged | minutes per run |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, by_seed in runs.items():
         done = {seed: run for seed, run in by_seed.items() if run is not None and "gold_gain" in run}
@@ -191,13 +192,13 @@ def report(args: Args, arms: dict[str, Arm], out: Path) -> str:
         mean, low, high = mean_ci(gains)
         pmean, plow, phigh = mean_ci(paired) if name != "full" else (math.nan,) * 3
         average = {key: sum(run[key] for run in done.values()) / len(done) if done else math.nan for key in
-                   ("rm_gain", "final_kl", "approxkl", "approxkl_first", "clipfrac")}  # fmt: skip
+                   ("rm_gain", "final_kl", "approxkl", "approxkl_first", "clipfrac", "minutes")}  # fmt: skip
         diverged = sum(run is None or run["diverged"] for run in by_seed.values())
         lines.append(
             f"| {name} | {len(done)} | {mean:+.3f} [{low:+.3f}, {high:+.3f}] | "
             + ("—" if name == "full" else f"{pmean:+.3f} [{plow:+.3f}, {phigh:+.3f}]")
             + f" | {average['rm_gain']:+.2f} | {average['final_kl']:.1f} | {average['approxkl']:.4f} "
-            f"({average['approxkl_first']:.3f}) | {average['clipfrac']:.3f} | {diverged} of {len(by_seed)} |"
+            f"({average['approxkl_first']:.3f}) | {average['clipfrac']:.3f} | {diverged} of {len(by_seed)} | {average['minutes']:.1f} |"
         )
     table = "\n".join(lines) + "\n"
     (out / "ablations.md").write_text(table)

@@ -77,7 +77,7 @@ def test_unknown_arm_is_one_line():
     assert result.stderr.strip().splitlines()[-1].startswith("error: --arms nope")
 
 
-def fake_run(run_dir, gold_gain: float, kl: float, approxkl: float) -> None:
+def fake_run(run_dir, gold_gain: float, kl: float, approxkl: float, minutes: float = 4.0) -> None:
     (run_dir / "policy").mkdir(parents=True)
     rows = [{"update": 0, "episode": 0, "eval/gold_score": 0.2, "eval/rm_score": -0.5, "eval/kl": 0.0}]
     rows += [{"update": u, "episode": 16 * u, "objective/kl": kl * u / 2, "ppo/policy/approxkl": approxkl * u,
@@ -87,7 +87,7 @@ def fake_run(run_dir, gold_gain: float, kl: float, approxkl: float) -> None:
     mean = {"mean": 0.0}
     policy = {"gold_score": {"difference": {"mean": gold_gain}}, "rm_score": {"difference": {"mean": 1.5}},
               "final_kl": {"mean": kl}, "kl": mean}  # fmt: skip
-    (run_dir / "summary.json").write_text(json.dumps({"policy": policy}))
+    (run_dir / "summary.json").write_text(json.dumps({"policy": policy, "timings_s": {"total": 60 * minutes}}))
 
 
 def test_report_pairs_each_arm_with_the_full_recipe_by_seed(tmp_path):
@@ -95,13 +95,14 @@ def test_report_pairs_each_arm_with_the_full_recipe_by_seed(tmp_path):
     ±0.2484; the paired differences -0.4, -0.3, -0.5: mean -0.4, the same half-width."""
     for seed, (full, arm) in enumerate(((0.5, 0.1), (0.6, 0.3), (0.7, 0.2)), 1):
         fake_run(tmp_path / "full" / f"seed_{seed}", full, kl=10.0, approxkl=0.01)
-        fake_run(tmp_path / "fixed-kl" / f"seed_{seed}", arm, kl=20.0, approxkl=0.02)
+        fake_run(tmp_path / "fixed-kl" / f"seed_{seed}", arm, kl=20.0, approxkl=0.02, minutes=1.0 + seed)
     args = ablations.Args(arms=("fixed-kl",), num_seeds=3, output_dir=str(tmp_path))
     table = ablations.report(args, ablations.arms_of("cpu", args.arms), tmp_path)
     rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()[2:]}
     assert "| 3 | +0.600 [+0.352, +0.848] | — |" in rows["full"]
     assert "| 3 | +0.200 [-0.048, +0.448] | -0.400 [-0.648, -0.152] |" in rows["fixed-kl"]
-    assert "| 20.0 | 0.0300 (0.020) | 0.100 | 0 of 3 |" in rows["fixed-kl"]
+    assert "| 20.0 | 0.0300 (0.020) | 0.100 | 0 of 3 | 3.0 |" in rows["fixed-kl"]
+    assert rows["full"].endswith("| 0 of 3 | 4.0 |")
     assert (tmp_path / "ablations.md").read_text() == table and (tmp_path / "ablations.png").stat().st_size > 1000
 
 
