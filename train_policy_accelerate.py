@@ -139,6 +139,8 @@ class TaskHParams:
     """compute every log-prob from logits / temperature, as sampled; --task.no-scale-logprobs: from the raw logits"""
     penalty_reward_value: float = -1.0
     """score of a response with no truncate token at index >= truncate_after"""
+    rejection_sampling: bool = True
+    """truncate responses and score the uncut ones the penalty; --task.no-rejection-sampling: score them as sampled"""
     gold_labeler: Optional[Literal["sentiment", "descriptiveness"]] = None
     """score held-out samples with a simulated labeler too (eval/gold_score next to eval/rm_score): shows whether the
     policy really improves or exploits the reward model"""
@@ -674,10 +676,13 @@ def rollout(policy: PolicyAndValueWrapper, ref_lm, contexts, pad_id: int, args: 
 @torch.no_grad()
 def score_responses(reward_model: RewardModel, queries, responses, truncate_token_id: int, args: Args):
     """Post-processed responses and their scores: the reward model reads the bare query ⊕ the truncated response, and
-    a response never cut scores --task.penalty-reward-value instead (OAI train_policy.py make_score_fn): (B, T), (B,)."""
+    a response never cut scores --task.penalty-reward-value instead (OAI train_policy.py make_score_fn): (B, T), (B,).
+    --task.no-rejection-sampling switches that detail off: every response is scored whole, none is penalized."""
     postprocessed, has_cut = truncate_responses(
         responses, truncate_token_id, args.task.truncate_after, reward_model.pad_id
     )
+    if not args.task.rejection_sampling:
+        postprocessed, has_cut = responses, torch.ones_like(has_cut)
     query_responses = torch.cat([queries, postprocessed], 1).split(args.local_rollout_forward_batch_size)
     scores = torch.cat([reward_model(rows) for rows in query_responses]).float()
     return postprocessed, torch.where(has_cut, scores, torch.full_like(scores, args.task.penalty_reward_value))

@@ -47,6 +47,7 @@ ARMS = {
     "no-value-clipping": Arm(("--ppo.no-clip-value",), changes=(("ppo.clip_value", False),)),
     "raw-logit-logprobs": Arm(("--task.no-scale-logprobs",), changes=(("task.scale_logprobs", False),)),
     "random-value-head": Arm(("--no-zero-value-head",), changes=(("zero_value_head", False),)),
+    "no-rejection-sampling": Arm(("--task.no-rejection-sampling",), changes=(("task.rejection_sampling", False),)),
     "no-reward-normalization": Arm(
         reward_flags=("--no-normalize-before", "--no-normalize-after"),
         changes=(("normalize_before", False), ("normalize_after", False)),

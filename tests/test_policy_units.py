@@ -103,6 +103,17 @@ def test_score_responses_scores_postprocessed_text_and_penalizes_uncut():
     assert postprocessed[0, 19:].tolist() == [PAD] * 5
 
 
+def test_no_rejection_sampling_scores_every_response_whole_and_never_penalizes():
+    args = P.Args()
+    args.task = P.TaskHParams(response_length=24, truncate_after=16, rejection_sampling=False)
+    responses = torch.tensor([response_with_dots(18), response_with_dots(10)])  # the first would be cut, the second
+    queries = torch.tensor([[PAD, 15496, 995], [15496, 995, 11]])  # penalized, with rejection sampling
+    reward_model = ConstantReward()
+    postprocessed, scores = P.score_responses(reward_model, queries, responses, DOT, args)
+    assert scores.tolist() == [0.5, 0.5]
+    assert torch.equal(postprocessed, responses) and torch.equal(reward_model.seen, torch.cat([queries, responses], 1))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 3. per-token rewards
 
