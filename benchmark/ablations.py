@@ -11,6 +11,8 @@ seeds, paired with the full recipe by seed, final KL, approxkl, clip fraction, d
 the reward model trained once per seed by the full recipe and reused by every arm that leaves the reward pipeline
 alone. `--scale paper` is OpenAI's setting (gpt2, its labels, books), with VADER as the gold judge, for GPU nodes.
 Runs go through benchmark/benchmark.py (locally, or as a Slurm array with --launcher-args "--slurm ...").
+At cpu scale the same command continues a study, or adds arms to it: a quick start that finished (its summary.json
+is there) is skipped, an unfinished one continues where it stopped (quickstart.py's own rule).
 """
 
 import json
@@ -111,7 +113,7 @@ def arm_commands(args: Args, name: str, arm: Arm, out: Path) -> list[str]:
             command.append(f"--reward-args={shlex.join(arm.reward_flags)}")
         if arm.policy_flags:
             command.append(f"--policy-args={shlex.join(arm.policy_flags)}")
-        return [shlex.join(command)]
+        return [f"test -e {shlex.quote(str(run_dir / 'summary.json'))} || {shlex.join(command)}"]  # finished: skip
     commands, reward_dir = [], (run_dir if own_reward else out / "full" / "seed_{seed}") / "reward"
     if own_reward:
         reward = ["python", "train_reward_accelerate.py", "--seed", "{seed}", "--output-dir", str(reward_dir)]

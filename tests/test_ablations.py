@@ -52,6 +52,8 @@ def test_dry_run_prints_every_arms_commands_and_runs_nothing(scale, tmp_path):
         assert mine, name
         words = shlex.split(mine[-1].split(": ", 1)[1])
         if scale == "cpu":
+            assert words[:4] == ["test", "-e", str(out / name / "seed_{seed}" / "summary.json"), "||"]
+            words = words[4:]
             assert words[:2] == ["python", "quickstart.py"] and "--seed" in words
             reuses = "--reward-model" in words
             assert reuses == (name != "full" and not arm.reward_flags)
@@ -114,3 +116,13 @@ def test_shrinking_flags_reach_every_cpu_run(tmp_path):
         assert words[words.index("--updates") + 1] == "20" and words[words.index("--eval-every") + 1] == "10", name
     (plain,) = ablations.arm_commands(ablations.Args(), "full", ablations.ARMS["full"], tmp_path)
     assert "--updates" not in plain and "--eval-every" not in plain
+
+
+def test_a_rerun_skips_the_finished_quick_starts_and_runs_the_others(tmp_path):
+    (tmp_path / "full" / "seed_1").mkdir(parents=True)
+    (tmp_path / "full" / "seed_1" / "summary.json").write_text("{}")
+    (line,) = ablations.arm_commands(ablations.Args(), "full", ablations.ARMS["full"], tmp_path)
+    assert "python quickstart.py" in line
+    probe = line.replace("python quickstart.py", "false")  # stands in for the run: fails if it is reached
+    ran = {seed: subprocess.run(["bash", "-c", probe.replace("{seed}", str(seed))]).returncode for seed in (1, 2)}
+    assert ran == {1: 0, 2: 1}
