@@ -216,10 +216,13 @@ def plot(runs: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     arms = [name for name in runs if name != "full"] or ["full"]
-    figure, axes = plt.subplots(2, len(arms), figsize=(3.2 * len(arms), 5.6), squeeze=False, sharey="row")
-    for column, name in enumerate(arms):
+    columns = min(len(arms), 5)
+    blocks = math.ceil(len(arms) / columns)  # each block: a row of gold panels over a row of KL panels
+    figure, axes = plt.subplots(2 * blocks, columns, figsize=(3.0 * columns, 2.5 * 2 * blocks), squeeze=False)
+    for index, name in enumerate(arms):
+        block, column = divmod(index, columns)
         for row, (key, label) in enumerate((("gold_curve", "held-out gold score"), ("kl_curve", "KL (nats)"))):
-            axis = axes[row][column]
+            axis = axes[2 * block + row][column]
             for arm, color in [("full", "0.6")] + ([(name, "C1")] if name != "full" else []):
                 curves = [run[key] for run in runs[arm].values() if run is not None and run[key]]
                 if not curves:
@@ -228,11 +231,23 @@ def plot(runs: dict, path: Path) -> None:
                 x = [curves[0][i][0] for i in range(length)]
                 ys = [[curve[i][1] for curve in curves] for i in range(length)]
                 axis.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=color, alpha=0.3, lw=0)
-                axis.plot(x, [sum(y) / len(y) for y in ys], color=color, label=f"{arm} (seed mean, min-max band)")
+                axis.plot(
+                    x,
+                    [sum(y) / len(y) for y in ys],
+                    color=color,
+                    label=f"{'full recipe' if arm == 'full' else 'this arm'} (seed mean, min-max band)",
+                )
             axis.set_title(name if row == 0 else "", fontsize=9)
             axis.set_xlabel("episodes" if row == 1 else "")
             axis.set_ylabel(label if column == 0 else "")
             axis.grid(alpha=0.3)
+    for row in range(2):  # one y scale for every gold panel, one for every KL panel; empty panels hidden
+        panels = [axes[2 * block + row][column] for block in range(blocks) for column in range(columns)]
+        shown = [axis for axis in panels if axis.has_data()]
+        for axis in shown:
+            axis.set_ylim(min(a.get_ylim()[0] for a in shown), max(a.get_ylim()[1] for a in shown))
+        for axis in panels:
+            axis.set_visible(axis in shown)
     axes[0][0].legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=90)
