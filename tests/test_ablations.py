@@ -126,3 +126,12 @@ def test_a_rerun_skips_the_finished_quick_starts_and_runs_the_others(tmp_path):
     probe = line.replace("python quickstart.py", "false")  # stands in for the run: fails if it is reached
     ran = {seed: subprocess.run(["bash", "-c", probe.replace("{seed}", str(seed))]).returncode for seed in (1, 2)}
     assert ran == {1: 0, 2: 1}
+
+
+def test_the_estimate_counts_only_the_runs_left(tmp_path, capsys):
+    (tmp_path / "full" / "seed_1").mkdir(parents=True)
+    (tmp_path / "full" / "seed_1" / "summary.json").write_text("{}")
+    args = ablations.Args(arms=("torch-adam", "no-reward-normalization"), num_seeds=2, output_dir=str(tmp_path))
+    ablations.main(dataclasses.replace(args, dry_run=True))
+    first = capsys.readouterr().out.splitlines()[0]  # left: full seed 2 (7 min), 2 x torch-adam (4), 2 x norm (7)
+    assert first.startswith("6 quick starts (4 train their reward model), 1 already finished: ~29 min left"), first
