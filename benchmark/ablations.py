@@ -258,6 +258,8 @@ def main(args: Args) -> None:
     arms = arms_of(args.scale, args.arms)
     out = Path(args.output_dir or f"runs/ablations/{args.scale}")
     if args.report_only:
+        if not out.is_dir():
+            raise SystemExit(f"error: --output-dir {out}: no study there to report (run it without --report-only)")
         print(report(args, arms, out))
         return
     command = launcher_command(args, arms, out)

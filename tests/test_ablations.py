@@ -72,6 +72,15 @@ def test_dry_run_prints_every_arms_commands_and_runs_nothing(scale, tmp_path):
     assert not out.exists()
 
 
+def test_report_of_a_missing_study_is_one_line(tmp_path):
+    command = [sys.executable, str(REPO / "benchmark" / "ablations.py"), "--report-only", "--output-dir",
+               str(tmp_path / "none")]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [f"error: --output-dir {tmp_path / 'none'}: no study there to report "
+                                                  "(run it without --report-only)"]  # fmt: skip
+
+
 def test_unknown_arm_is_one_line():
     result = subprocess.run([sys.executable, str(REPO / "benchmark" / "ablations.py"), "--arms", "nope", "--dry-run"],
                             capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
