@@ -147,7 +147,8 @@ def mean_ci(values: list[float]) -> tuple[float, float, float]:
 
 
 def read_run(run_dir: Path) -> Optional[dict]:
-    """One finished run's numbers: gains, final KL, PPO statistics, and curves; None if it did not finish."""
+    """One run's numbers: PPO statistics and curves, and once it finished (the quick start's summary.json, or at paper
+    scale the saved policy) its gains and final KL; None if it has not started."""
     summary_path, metrics_path = run_dir / "summary.json", run_dir / "policy" / "metrics.jsonl"
     if not metrics_path.exists():
         return None
@@ -158,7 +159,7 @@ def read_run(run_dir: Path) -> Optional[dict]:
         "approxkl": sum(row["ppo/policy/approxkl"] for row in updates) / max(len(updates), 1),
         "approxkl_first": updates[0]["ppo/policy/approxkl"] if updates else math.nan,
         "clipfrac": sum(row["ppo/policy/clipfrac"] for row in updates) / max(len(updates), 1),
-        "diverged": not all(math.isfinite(value) for value in values) or not summary_path.exists(),
+        "diverged": not all(math.isfinite(value) for value in values),  # unfinished is not diverged
         "kl_curve": [(row["episode"], row["objective/kl"]) for row in updates],
         "gold_curve": [(row["episode"], row["eval/gold_score"]) for row in rows if "eval/gold_score" in row],
     }
@@ -167,13 +168,13 @@ def read_run(run_dir: Path) -> Optional[dict]:
         run.update(gold_gain=policy["gold_score"]["difference"]["mean"], rm_gain=policy["rm_score"]["difference"]["mean"],
                    final_kl=policy["final_kl"]["mean"])  # fmt: skip
         run["minutes"] = json.loads(summary_path.read_text()).get("timings_s", {}).get("total", math.nan) / 60
-    else:  # paper scale: the policy run's own first and last gold evaluation
-        evals = [row for row in rows if "eval/gold_score" in row]
+    elif (run_dir / "policy" / "policy" / "value_head.safetensors").exists():  # paper scale, the policy saved: its
+        evals = [row for row in rows if "eval/gold_score" in row]  # own first and last gold evaluation
         if len(evals) >= 2:
             first, last = evals[0], evals[-1]
             run.update(gold_gain=last["eval/gold_score"] - first["eval/gold_score"],
-                       rm_gain=last["eval/rm_score"] - first["eval/rm_score"], final_kl=last["eval/kl"])  # fmt: skip
-            run["diverged"] = not all(math.isfinite(value) for value in values)
+                       rm_gain=last["eval/rm_score"] - first["eval/rm_score"], final_kl=last["eval/kl"],
+                       minutes=updates[-1].get("elapsed/time", math.nan) / 60 if updates else math.nan)  # fmt: skip
     return run
 
 
@@ -196,7 +197,7 @@ def report(args: Args, arms: dict[str, Arm], out: Path) -> str:
         pmean, plow, phigh = mean_ci(paired) if name != "full" else (math.nan,) * 3
         average = {key: sum(run[key] for run in done.values()) / len(done) if done else math.nan for key in
                    ("rm_gain", "final_kl", "approxkl", "approxkl_first", "clipfrac", "minutes")}  # fmt: skip
-        diverged = sum(run is None or run["diverged"] for run in by_seed.values())
+        diverged = sum(run is not None and run["diverged"] for run in by_seed.values())
         lines.append(
             f"| {name} | {len(done)} | {mean:+.3f} [{low:+.3f}, {high:+.3f}] | "
             + ("—" if name == "full" else f"{pmean:+.3f} [{plow:+.3f}, {phigh:+.3f}]")

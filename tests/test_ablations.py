@@ -144,3 +144,33 @@ def test_the_estimate_counts_only_the_runs_left(tmp_path, capsys):
     ablations.main(dataclasses.replace(args, dry_run=True))
     first = capsys.readouterr().out.splitlines()[0]  # left: full seed 2 (7 min), 2 x torch-adam (4), 2 x norm (7)
     assert first.startswith("6 quick starts (4 train their reward model), 1 already finished: ~29 min left"), first
+
+
+def test_an_unfinished_run_is_not_counted_as_diverged_and_a_nan_is(tmp_path):
+    for seed in (1, 2, 3):
+        fake_run(tmp_path / "full" / f"seed_{seed}", 0.5, kl=10.0, approxkl=0.01)
+        fake_run(tmp_path / "fixed-kl" / f"seed_{seed}", 0.4, kl=10.0, approxkl=0.01)
+    (tmp_path / "fixed-kl" / "seed_3" / "summary.json").unlink()  # still running
+    metrics = tmp_path / "fixed-kl" / "seed_2" / "policy" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text().replace('"ppo/policy/clipfrac": 0.1', '"ppo/policy/clipfrac": NaN', 1))
+    args = ablations.Args(arms=("fixed-kl",), num_seeds=3, output_dir=str(tmp_path))
+    table = ablations.report(args, ablations.arms_of("cpu", args.arms), tmp_path)
+    row = next(line for line in table.splitlines() if line.startswith("| fixed-kl |"))
+    assert row.startswith("| fixed-kl | 2 |") and "| 1 of 3 |" in row, row
+
+
+def test_a_paper_scale_run_counts_once_its_policy_is_saved(tmp_path):
+    for name, gain in (("full", 0.5), ("torch-adam", 0.2)):
+        run_dir = tmp_path / name / "seed_1"
+        fake_run(run_dir, gain, kl=6.0, approxkl=0.01)
+        (run_dir / "summary.json").unlink()  # the paper scale runs the scripts, not the quick start
+        metrics = run_dir / "policy" / "metrics.jsonl"
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        rows[-1]["elapsed/time"] = 5400.0
+        metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "full" / "seed_1" / "policy" / "policy").mkdir()
+    (tmp_path / "full" / "seed_1" / "policy" / "policy" / "value_head.safetensors").write_bytes(b"x")
+    args = ablations.Args(scale="paper", arms=("torch-adam",), num_seeds=1, output_dir=str(tmp_path))
+    rows = {line.split(" | ")[0].strip("| "): line for line in ablations.report(args, ablations.arms_of("paper", args.arms), tmp_path).splitlines()[2:]}  # fmt: skip
+    assert rows["full"].startswith("| full | 1 | +0.500 [") and rows["full"].endswith("| 0 of 1 | 90.0 |")
+    assert rows["torch-adam"].startswith("| torch-adam | 0 |")  # still running: no gain yet
