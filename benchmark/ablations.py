@@ -184,24 +184,28 @@ def report(args: Args, arms: dict[str, Arm], out: Path) -> str:
     runs = {name: {seed: read_run(out / name / f"seed_{seed}") for seed in seeds} for name in arms}
     full = runs["full"]
     lines = [
-        "| arm | seeds | gold gain [95% CI] | minus full, paired [95% CI] | RM gain | final KL | approxkl (first update) "
-        "| clip fraction | diverged | minutes per run |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| arm | seeds | gold gain [95% CI] | minus full, paired [95% CI] | RM gain | final KL | KL minus full, paired "
+        "[95% CI] | approxkl (first update) | clip fraction | diverged | minutes per run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, by_seed in runs.items():
         done = {seed: run for seed, run in by_seed.items() if run is not None and "gold_gain" in run}
         gains = [run["gold_gain"] for run in done.values()]
-        paired = [run["gold_gain"] - full[seed]["gold_gain"] for seed, run in done.items()
-                  if full.get(seed) is not None and "gold_gain" in full[seed]]  # fmt: skip
+        pairs = [
+            (run, full[seed]) for seed, run in done.items() if full.get(seed) is not None and "gold_gain" in full[seed]
+        ]
         mean, low, high = mean_ci(gains)
-        pmean, plow, phigh = mean_ci(paired) if name != "full" else (math.nan,) * 3
+        pmean, plow, phigh = mean_ci([run["gold_gain"] - base["gold_gain"] for run, base in pairs])
+        kmean, klow, khigh = mean_ci([run["final_kl"] - base["final_kl"] for run, base in pairs])
         average = {key: sum(run[key] for run in done.values()) / len(done) if done else math.nan for key in
                    ("rm_gain", "final_kl", "approxkl", "approxkl_first", "clipfrac", "minutes")}  # fmt: skip
         diverged = sum(run is not None and run["diverged"] for run in by_seed.values())
         lines.append(
             f"| {name} | {len(done)} | {mean:+.3f} [{low:+.3f}, {high:+.3f}] | "
             + ("—" if name == "full" else f"{pmean:+.3f} [{plow:+.3f}, {phigh:+.3f}]")
-            + f" | {average['rm_gain']:+.2f} | {average['final_kl']:.1f} | {average['approxkl']:.4f} "
+            + f" | {average['rm_gain']:+.2f} | {average['final_kl']:.1f} | "
+            + ("—" if name == "full" else f"{kmean:+.1f} [{klow:+.1f}, {khigh:+.1f}]")
+            + f" | {average['approxkl']:.4f} "
             f"({average['approxkl_first']:.3f}) | {average['clipfrac']:.3f} | {diverged} of {len(by_seed)} | {average['minutes']:.1f} |"
         )
     table = "\n".join(lines) + "\n"

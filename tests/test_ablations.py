@@ -112,7 +112,8 @@ def test_report_pairs_each_arm_with_the_full_recipe_by_seed(tmp_path):
     rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()[2:]}
     assert "| 3 | +0.600 [+0.352, +0.848] | — |" in rows["full"]
     assert "| 3 | +0.200 [-0.048, +0.448] | -0.400 [-0.648, -0.152] |" in rows["fixed-kl"]
-    assert "| 20.0 | 0.0300 (0.020) | 0.100 | 0 of 3 | 3.0 |" in rows["fixed-kl"]
+    assert "| 20.0 | +10.0 [+10.0, +10.0] | 0.0300 (0.020) | 0.100 | 0 of 3 | 3.0 |" in rows["fixed-kl"]
+    assert "| 10.0 | — | 0.0150 (0.010) |" in rows["full"]
     assert rows["full"].endswith("| 0 of 3 | 4.0 |")
     assert (tmp_path / "ablations.md").read_text() == table and (tmp_path / "ablations.png").stat().st_size > 1000
 
