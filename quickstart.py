@@ -166,8 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "gap to the target")  # fmt: skip
     evaluation = parser.add_argument_group("held-out evaluation (same queries and sampling seed every time)")
     evaluation.add_argument("--eval-queries", type=int, default=64, help="held-out queries")
-    evaluation.add_argument("--eval-samples-per-query", type=int, default=4, help="responses per held-out query")
-    evaluation.add_argument("--eval-every", type=int, default=6, help="also evaluate every this many updates "
+    evaluation.add_argument("--eval-samples-per-query", type=int, default=2, help="responses per held-out query")
+    evaluation.add_argument("--eval-every", type=int, default=8, help="also evaluate every this many updates "
                             "(0: only before the first and after the last update)")  # fmt: skip
     evaluation.add_argument("--bootstrap-resamples", type=int, default=10_000, help="for the 95%% CIs")
     evaluation.add_argument("--table-rows", type=int, default=8, help="queries in samples_before_after.md")
@@ -324,6 +324,7 @@ def policy_command(args: argparse.Namespace, base_model: Path, corpus: Path, rew
         "--rewards.adaptive-kl.target", str(args.kl_target),
         "--rewards.adaptive-kl.horizon", str(args.kl_horizon),
         "--print-sample-output-freq", str(max(1, args.updates // 4)),
+        "--logprobs-from-generation",  # the sampling forwards' log-probs, as OpenAI's: one policy forward fewer
         *shlex.split(args.policy_args),
     ]  # fmt: skip
 

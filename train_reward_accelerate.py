@@ -236,10 +236,12 @@ def padded_forward(backbone: nn.Module, tokens: torch.Tensor, pad_id: int) -> to
 
 
 @torch.no_grad()
-def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, response_length: int, temperature: float):
+def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, response_length: int, temperature: float,
+                     samples_per_context: int = 1):
     """Sample `response_length` tokens after each left-padded context, one at a time with the KV cache, as OAI's
     language/sample.py sample_sequence: responses, the log-prob of each sampled token and the final hidden state
-    that predicted it (what a value head reads): (B, T), (B, T), (B, T, d)."""
+    that predicted it (what a value head reads): (B, T), (B, T), (B, T, d), with B = contexts x samples_per_context
+    (each context's rows together; its forward runs once and its keys and values are shared by its samples)."""
     # detail: fixed-length responses — exactly response_length tokens drawn from softmax(logits / temperature): no
     # top-k, no top-p, never stopped at EOS (OAI language/sample.py sample_sequence)
     attention_mask = contexts != pad_id
@@ -248,13 +250,23 @@ def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, respons
     # the keys and values of every position so far, filled in place by each forward (newer transformers name the
     # argument `cache`, older ones `past_key_values`)
     parameters = inspect.signature(lm.base_model.forward).parameters
-    cache = {"cache" if "cache" in parameters else "past_key_values": DynamicCache()}
-    for _ in range(response_length):
+    kv_cache = DynamicCache()
+    cache = {"cache" if "cache" in parameters else "past_key_values": kv_cache}
+    for step in range(response_length):
         output = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **cache)
         hidden = output.last_hidden_state[:, -1]  # (B, d): the newest position
+        if step == 0 and samples_per_context > 1:  # from here on, one row per sample
+            kv_cache.batch_repeat_interleave(samples_per_context)
+            hidden, attention_mask, position_ids = (
+                x.repeat_interleave(samples_per_context, 0) for x in (hidden, attention_mask, position_ids)
+            )
         logits = lm.get_output_embeddings()(hidden).float() / temperature  # (B, V)
         probabilities = F.softmax(logits, dim=-1)
-        token = torch.multinomial(probabilities, 1)  # (B, 1)
+        # one uniform per draw, by inverse CDF: the same distribution as torch.multinomial, which draws an
+        # exponential per vocabulary entry and is ~30x slower on a CPU (docs/speed.md)
+        cdf = probabilities.double().cumsum(-1)  # (B, V)
+        uniform = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # (B, 1)
+        token = torch.searchsorted(cdf, uniform, right=True).clamp_max(cdf.shape[1] - 1)  # (B, 1)
         steps.append((token, probabilities.gather(1, token).log(), hidden))  # its log-prob, no second pass over V
         input_ids, position_ids = token, position_ids[:, -1:] + 1
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
@@ -607,8 +619,10 @@ def simulate_labels(run, ref_lm, queries: QueryStream, tokenizer, truncate_token
         if signum := run.stop_requested():  # Ctrl-C / SIGTERM: stop now, keeping what is made
             run.stop_keeping_partial("labels", signum, {"records": records, "next": start, "stream": queries.state()})
         query = queries.next_batch(min(chunk, local - start)).to(ref_lm.device)  # (b, C): bare, as in OAI's files
-        contexts = queries.format(query).repeat_interleave(NUM_SAMPLES, 0)  # (4b, prefix + C + suffix)
-        response, _, _ = sample_responses(ref_lm, contexts, pad_id, args.task.response_length, args.task.temperature)
+        contexts = queries.format(query)  # (b, prefix + C + suffix)
+        response, _, _ = sample_responses(
+            ref_lm, contexts, pad_id, args.task.response_length, args.task.temperature, NUM_SAMPLES
+        )  # (4b, T): each query's 4 samples together
         response, _ = truncate_responses(response, truncate_token_id, args.task.truncate_after, pad_id)
         scores = simulated_labeler_scores(args.labels.source, decode(tokenizer, response))
         for i in range(query.shape[0]):

@@ -47,7 +47,9 @@ ARMS = {
     "no-reward-whitening": Arm(("--ppo.no-whiten-rewards",), changes=(("ppo.whiten_rewards", False),)),
     "no-advantage-whitening": Arm(("--ppo.no-whiten-advantages",), changes=(("ppo.whiten_advantages", False),)),
     "no-value-clipping": Arm(("--ppo.no-clip-value",), changes=(("ppo.clip_value", False),)),
-    "raw-logit-logprobs": Arm(("--task.no-scale-logprobs",), changes=(("task.scale_logprobs", False),)),
+    "raw-logit-logprobs": Arm(  # the sampling log-probs are of logits / T: a separate forward instead
+        ("--no-logprobs-from-generation", "--task.no-scale-logprobs"), changes=(("task.scale_logprobs", False),)
+    ),
     "random-value-head": Arm(("--no-zero-value-head",), changes=(("zero_value_head", False),)),
     "no-rejection-sampling": Arm(("--task.no-rejection-sampling",), changes=(("task.rejection_sampling", False),)),
     "no-reward-normalization": Arm(

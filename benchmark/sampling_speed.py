@@ -1,9 +1,11 @@
-"""The scripts' sampling loop (`sample_responses`: KV cache, logits / T, one draw per step) side by side with Hugging
-Face generate() set up the same way (what the scripts used before): seconds per call, median of --repeats after a
-warm-up, on models with random weights (no download; the token count is fixed, so weights don't change the work).
-Also checks that both draw the same tokens from the same seed. One JSON line per setting.
+"""The scripts' sampling loop (`sample_responses`: KV cache, logits / T, one inverse-CDF draw per step) side by side
+with Hugging Face generate() set up to sample the same distribution (what the scripts used before; it draws with
+torch.multinomial): seconds per call, median of --repeats after a warm-up, on models with random weights (no
+download; the token count is fixed, so weights don't change the work). For label sampling (4 samples per query) also
+the loop with each context's forward shared by its samples, as the reward script samples labels. One JSON line per
+setting; tests/test_policy_units.py checks what the loop draws.
 
-    python benchmark/sampling_speed.py                      # GPT-2 124M batch 8, and the quick start's SmolLM2 setting
+    python benchmark/sampling_speed.py                      # GPT-2 124M batch 8, and the quick start's SmolLM2 settings
     python benchmark/sampling_speed.py --settings gpt2      # one of them
 """
 
@@ -22,13 +24,13 @@ from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, LlamaCon
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from train_policy_accelerate import sample_responses  # noqa: E402
 
-# (model, batch, context tokens, response tokens): GPT-2 124M as in the reading review; the quick start's PPO rollout
-# (16 episodes of 8 + 12 tokens) and its label sampling (128 rows per generate call)
+# (model, contexts, samples per context, context tokens, response tokens): GPT-2 124M as in the reading review; the
+# quick start's PPO rollout (16 episodes of 8 + 12 tokens) and its label sampling (32 queries x 4 samples per call)
 SETTINGS = {
-    "tiny": ("tiny", 4, 8, 6),  # a 2-layer GPT-2, for the test
-    "gpt2": ("gpt2", 8, 64, 24),
-    "smollm2-rollout": ("smollm2", 16, 8, 12),
-    "smollm2-labels": ("smollm2", 128, 8, 12),
+    "tiny": ("tiny", 2, 2, 8, 6),  # a 2-layer GPT-2, for the test
+    "gpt2": ("gpt2", 8, 1, 64, 24),
+    "smollm2-rollout": ("smollm2", 16, 1, 8, 12),
+    "smollm2-labels": ("smollm2", 32, 4, 8, 12),
 }
 
 
@@ -77,23 +79,22 @@ def main(args: Args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     for setting in args.settings:
-        name, batch, context_length, length = SETTINGS[setting]
+        name, num_contexts, samples, context_length, length = SETTINGS[setting]
         lm = make_model(name)
         pad_id = lm.config.vocab_size
-        contexts = torch.randint(0, pad_id, (batch, context_length), generator=torch.Generator().manual_seed(0))
-        contexts[: batch // 2, : context_length // 4] = pad_id  # left padding on half the rows
+        contexts = torch.randint(0, pad_id, (num_contexts, context_length), generator=torch.Generator().manual_seed(0))
+        contexts[: num_contexts // 2, : context_length // 4] = pad_id  # left padding on half the rows
+        rows = contexts.repeat_interleave(samples, 0)  # what generate() and the plain loop get
         with torch.no_grad():
-            torch.manual_seed(1)
-            loop_tokens = sample_responses(lm, contexts, pad_id, length, 0.7)[0]
-            torch.manual_seed(1)
-            same = torch.equal(loop_tokens, library_generate(lm, contexts, pad_id, length, 0.7))
-            loop = seconds(sample_responses, (lm, contexts, pad_id, length, 0.7), args.repeats)
-            library = seconds(library_generate, (lm, contexts, pad_id, length, 0.7), args.repeats)
-        row = dict(setting=setting, batch=batch, context=context_length, response=length,
-                   threads=torch.get_num_threads(), generate_s=round(library, 4), loop_s=round(loop, 4),
-                   loop_over_generate=round(loop / library, 3), same_tokens=same)  # fmt: skip
+            library = seconds(library_generate, (lm, rows, pad_id, length, 0.7), args.repeats)
+            loop = seconds(sample_responses, (lm, rows, pad_id, length, 0.7), args.repeats)
+            row = dict(setting=setting, batch=len(rows), samples_per_context=samples, context=context_length,
+                       response=length, threads=torch.get_num_threads(), generate_s=round(library, 4),
+                       loop_s=round(loop, 4), loop_over_generate=round(loop / library, 3))  # fmt: skip
+            if samples > 1:
+                shared = seconds(sample_responses, (lm, contexts, pad_id, length, 0.7, samples), args.repeats)
+                row.update(shared_context_s=round(shared, 4), shared_over_generate=round(shared / library, 3))
         print(json.dumps(row), flush=True)
-
 
 if __name__ == "__main__":
     main(tyro.cli(Args))

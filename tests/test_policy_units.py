@@ -381,22 +381,26 @@ def test_sampling_returns_exactly_t_tokens_even_when_eos_dominates():
         assert lm.generate(queries[1:], max_new_tokens=6, do_sample=True).shape[1] == 4 + 6
 
 
-def generate_with_library(lm, contexts: torch.Tensor, pad_id: int, length: int, temperature: float):
-    """HF generate() set up to sample from softmax(logits / T) alone: what the sampling loop must equal."""
-    from transformers import GenerationConfig
-
-    lm.generation_config = GenerationConfig()  # nothing of the model's own settings (eos, repetition penalty, ...)
-    config = GenerationConfig(max_new_tokens=length, do_sample=True, top_k=0, top_p=1.0, temperature=temperature)
-    mask = contexts != pad_id
-    output = lm.generate(input_ids=torch.where(mask, contexts, 0), attention_mask=mask, generation_config=config)
-    return output[:, contexts.shape[1] :]
+def sample_without_cache(lm, contexts: torch.Tensor, pad_id: int, length: int, temperature: float):
+    """The reference the loop must equal: a full forward over context ⊕ the tokens so far for every new token (no KV
+    cache), softmax(logits / T), and one uniform per row by inverse CDF, drawn in the same order."""
+    responses = contexts[:, :0]
+    for _ in range(length):
+        with torch.no_grad():
+            hidden = P.padded_forward(lm.base_model, torch.cat([contexts, responses], 1), pad_id)[:, -1]
+        probabilities = F.softmax(lm.get_output_embeddings()(hidden) / temperature, dim=-1).double()
+        uniform = torch.rand(len(contexts), 1, dtype=torch.float64)
+        cdf = probabilities.cumsum(-1)
+        responses = torch.cat([responses, (cdf <= uniform * cdf[:, -1:]).sum(-1, keepdim=True)], 1)
+    return responses
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_sampling_loop_draws_the_tokens_generate_draws_and_their_log_probs(kind):
-    """The plain loop (KV cache, logits / T, one multinomial draw per step) draws exactly what HF generate() draws
-    from the same RNG state, on left-padded contexts; its log-probs and hidden states are those of one full forward
-    over context ⊕ response (to float rounding), and other seeds give other responses."""
+def test_sampling_loop_draws_what_full_forwards_draw_and_their_log_probs(kind):
+    """The loop (KV cache, logits / T, one inverse-CDF draw per step) draws exactly what full forwards without a
+    cache draw from the same RNG state, on left-padded contexts; its log-probs and hidden states are those of one
+    full forward over context ⊕ response (to float rounding), and other seeds give other responses. With several
+    samples per context it draws what the repeated contexts draw: the shared context forward changes nothing."""
     lm = make_lm(kind)
     pad_id = lm.config.vocab_size
     contexts = torch.randint(0, 1000, (6, 7), generator=torch.Generator().manual_seed(0))
@@ -404,7 +408,7 @@ def test_sampling_loop_draws_the_tokens_generate_draws_and_their_log_probs(kind)
     torch.manual_seed(5)
     responses, logprobs, hidden = P.sample_responses(lm, contexts, pad_id, 8, 0.7)
     torch.manual_seed(5)
-    assert torch.equal(responses, generate_with_library(lm, contexts, pad_id, 8, 0.7))
+    assert torch.equal(responses, sample_without_cache(lm, contexts, pad_id, 8, 0.7))
     torch.manual_seed(6)
     assert not torch.equal(responses, P.sample_responses(lm, contexts, pad_id, 8, 0.7)[0])
     query_responses = torch.cat([contexts, responses], 1)
@@ -413,6 +417,14 @@ def test_sampling_loop_draws_the_tokens_generate_draws_and_their_log_probs(kind)
         full_logprobs = P.logprobs_from_logits(P.lm_logits(lm, query_responses, 7, pad_id, 0.7), responses)
     torch.testing.assert_close(hidden, full_hidden, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logprobs, full_logprobs, atol=1e-5, rtol=1e-5)
+    torch.manual_seed(7)
+    shared = P.sample_responses(lm, contexts[:3], pad_id, 8, 0.7, samples_per_context=4)
+    torch.manual_seed(7)
+    repeated = P.sample_responses(lm, contexts[:3].repeat_interleave(4, 0), pad_id, 8, 0.7)
+    assert shared[0].shape == (12, 8) and torch.equal(shared[0], repeated[0])
+    assert len(set(map(tuple, shared[0][:4].tolist()))) > 1  # a context's samples differ from each other
+    for a, b in zip(shared[1:], repeated[1:], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_sampling_is_softmax_of_logits_over_temperature_whatever_the_model_config_says():

@@ -343,9 +343,9 @@ def test_reward_script_samples_from_the_contexts_and_scores_the_bare_queries(tok
     stream = summarization_stream(tokenizer, query_length=6, tmp_path=tmp_path)
     generated = []
 
-    def fake_sample(lm, contexts, pad_id, response_length, temperature):
+    def fake_sample(lm, contexts, pad_id, response_length, temperature, samples_per_context=1):
         generated.append(contexts)
-        return torch.full((len(contexts), response_length), NEWLINE), None, None
+        return torch.full((len(contexts) * samples_per_context, response_length), NEWLINE), None, None
 
     monkeypatch.setattr(R, "sample_responses", fake_sample)
     labels = R.LabelHParams(source="sentiment", num_train=3, simulated_num_test=1)
@@ -363,7 +363,7 @@ def test_reward_script_samples_from_the_contexts_and_scores_the_bare_queries(tok
     assert len(records) == 4 and all(len(r["query"]) == 6 for r in records)
     bare = torch.tensor([r["query"] for r in records])  # right-padded with OAI's pad, like OAI's files
     bare = R.right_padding_to_left_padding(torch.where(bare == OPENAI_PAD, PAD, bare), PAD)
-    assert torch.equal(generated[1][::4], stream.format(bare)) and generated[1].shape == (16, 3 + 6 + 6)
+    assert torch.equal(generated[1], stream.format(bare)) and generated[1].shape == (4, 3 + 6 + 6)  # 4 samples each
 
 
 # ---------------------------------------------------------------------------------------------------------------
