@@ -237,7 +237,7 @@ def padded_forward(backbone: nn.Module, tokens: torch.Tensor, pad_id: int) -> to
 
 @torch.no_grad()
 def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, response_length: int, temperature: float,
-                     samples_per_context: int = 1):
+                     samples_per_context: int = 1):  # fmt: skip
     """Sample `response_length` tokens after each left-padded context, one at a time with the KV cache, as OAI's
     language/sample.py sample_sequence: responses, the log-prob of each sampled token and the final hidden state
     that predicted it (what a value head reads): (B, T), (B, T), (B, T, d), with B = contexts x samples_per_context

@@ -96,5 +96,6 @@ def main(args: Args) -> None:
                 row.update(shared_context_s=round(shared, 4), shared_over_generate=round(shared / library, 3))
         print(json.dumps(row), flush=True)
 
+
 if __name__ == "__main__":
     main(tyro.cli(Args))
