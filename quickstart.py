@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     reward.add_argument("--normalize-samples", type=int, default=32, help="samples for the reward normalization "
                         "before and after training")  # fmt: skip
     policy = parser.add_argument_group("policy (OpenAI: 1954 updates of 512, 4 epochs, lr 1e-5, KL 0.15 → 6 nats)")
-    policy.add_argument("--updates", type=int, default=24, help="PPO updates")
+    policy.add_argument("--updates", type=int, default=16, help="PPO updates")
     policy.add_argument("--ppo-batch-size", type=int, default=16, help="episodes per PPO update")
     policy.add_argument("--ppo-epochs", type=int, default=4, help="PPO epochs per update (one minibatch each)")
     policy.add_argument("--ppo-lr", type=float, default=5e-5, help="policy lr, annealed linearly to 0")

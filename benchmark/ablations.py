@@ -74,9 +74,9 @@ class Args:
     output_dir: Optional[str] = None
     """where the runs go (default runs/ablations/SCALE)"""
     updates: Optional[int] = None
-    """cpu scale: PPO updates per run instead of the quick start's 24 (to shrink the study)"""
+    """cpu scale: PPO updates per run instead of the quick start's 16 (to shrink the study)"""
     eval_every: Optional[int] = None
-    """cpu scale: quickstart.py --eval-every instead of its 6 (the evaluations before and after always run)"""
+    """cpu scale: quickstart.py --eval-every instead of its 8 (the evaluations before and after always run)"""
     smoke: bool = False
     """cpu scale: every run at quickstart.py --smoke sizes (the machinery in a few minutes, no result)"""
     launcher_args: str = ""

@@ -210,7 +210,7 @@ def test_smoke_sets_the_smallest_sizes_unless_a_flag_is_given():
     defaults = parser.parse_args([])
     assert (defaults.labels, defaults.updates, defaults.response_length, defaults.mixed_precision) == (
         480,
-        24,
+        16,
         12,
         "auto",
     )
