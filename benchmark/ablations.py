@@ -281,9 +281,9 @@ def main(args: Args) -> None:
         todo = [name for name in arms for seed in range(1, args.num_seeds + 1)
                 if not (out / name / f"seed_{seed}" / "summary.json").exists()]  # fmt: skip
         with_reward = sum(1 for name in todo if name == "full" or arms[name].reward_flags)
-        minutes = with_reward * 7 + (len(todo) - with_reward) * 4  # ~7 min with a reward phase, ~4 without
+        minutes = with_reward * 5 + (len(todo) - with_reward) * 2.5  # ~5 min with a reward phase, ~2.5 without
         print(f"{policy_runs} quick starts ({reward_runs} train their reward model), {policy_runs - len(todo)} already "
-              f"finished: ~{minutes} min left on 2 cores with bf16 units, about twice that in fp32 (per run: "
+              f"finished: ~{minutes:.0f} min left on 2 cores with bf16 units, about twice that in fp32 (per run: "
               "docs/quickstart.md#times)")  # fmt: skip
     for name, arm in arms.items():
         for line in arm_commands(args, name, arm, out):

@@ -143,8 +143,8 @@ def test_the_estimate_counts_only_the_runs_left(tmp_path, capsys):
     (tmp_path / "full" / "seed_1" / "summary.json").write_text("{}")
     args = ablations.Args(arms=("torch-adam", "no-reward-normalization"), num_seeds=2, output_dir=str(tmp_path))
     ablations.main(dataclasses.replace(args, dry_run=True))
-    first = capsys.readouterr().out.splitlines()[0]  # left: full seed 2 (7 min), 2 x torch-adam (4), 2 x norm (7)
-    assert first.startswith("6 quick starts (4 train their reward model), 1 already finished: ~29 min left"), first
+    first = capsys.readouterr().out.splitlines()[0]  # left: full seed 2 (5 min), 2 x torch-adam (2.5), 2 x norm (5)
+    assert first.startswith("6 quick starts (4 train their reward model), 1 already finished: ~20 min left"), first
 
 
 def test_an_unfinished_run_is_not_counted_as_diverged_and_a_nan_is(tmp_path):
