@@ -352,7 +352,7 @@ def script_environment(threads: int) -> dict[str, str]:
     """The training scripts' environment: CPU, offline, `threads` threads.
 
     OpenMP's own wait policy (threads spin briefly, then sleep) unless OMP_WAIT_POLICY is set: on idle cores it was
-    13-25% faster per reward step and label-sampling call than PASSIVE (sleeping at once), docs/quickstart.md. On a
+    5-25% faster per reward step and label-sampling call than PASSIVE (sleeping at once), docs/quickstart.md. On a
     machine that also runs other jobs, set OMP_WAIT_POLICY=PASSIVE: measured on such a machine, a SmolLM2 forward
     took 11 s with 2 spinning threads, 2.5 s with 2 passive ones or with 1 thread."""
     threads_text = str(threads)
