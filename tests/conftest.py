@@ -1,7 +1,6 @@
 """Shared pytest fixtures: offline assets prepared once per session and cached in the repository's `.cache/`."""
 
 import json
-import math
 import os
 import random
 import subprocess
@@ -9,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+from transformers import AutoTokenizer
 
+from benchmark.tiny_task import synthetic_sentences, write_tiny_gpt2
 from quickstart_assets import prepare_gpt2_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,56 +29,7 @@ def gpt2_tokenizer_dir() -> Path:
     return prepare_gpt2_tokenizer(REPO / ".cache")
 
 
-WORDS = "the a cat dog sat on mat happy sad good bad great terrible house river tree bird sun moon ran saw big small".split()
 GOOD_WORD = " good"  # the synthetic labeler prefers samples with more of this token
-
-
-def synthetic_sentences(n: int, seed: int) -> list[str]:
-    """Lines of 2-4 short sentences made of a 23-word vocabulary: easy for a tiny LM to pick up, including '.'."""
-    rng = random.Random(seed)
-    lines = []
-    for _ in range(n):
-        sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9))) for _ in range(rng.randint(2, 4))]
-        lines.append(". ".join(sentences).capitalize() + ".")
-    return lines
-
-
-def write_tiny_gpt2(directory: Path, tokenizer_dir: Path, corpus: list[str], steps: int, seed: int = 0) -> Path:
-    """A 2-layer GPT-2 with the real GPT-2 vocabulary, briefly trained on the synthetic corpus so that it writes its
-    words and '.' (a random model would almost never emit '.', so every response would get the penalty score).
-
-    Cheap on CPU: the embedding rows of tokens outside the corpus are zeroed, so their logits are exactly 0 and the
-    full-vocabulary softmax needs only the corpus's ~40 logits plus a constant (V - 40) * exp(0)."""
-    torch.manual_seed(seed)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: one thread is faster and immune to a busy machine
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=256))
-    ids = torch.tensor(tokenizer(" ".join(corpus))["input_ids"])
-    vocabulary, local_ids = torch.unique(ids, return_inverse=True)
-    embedding = model.transformer.wte.weight
-    with torch.no_grad():
-        keep = torch.zeros(len(embedding), dtype=torch.bool)
-        keep[vocabulary] = True
-        embedding[~keep] = 0.0
-    log_others = math.log(len(embedding) - len(vocabulary))
-    windows, targets = (x[: len(ids) // 48 * 48].view(-1, 48) for x in (ids, local_ids))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(steps):
-        rows = torch.randint(len(windows), (16,))
-        hidden = model.transformer(input_ids=windows[rows]).last_hidden_state[:, :-1]  # (16, 47, d)
-        logits = hidden @ embedding[vocabulary].T  # (16, 47, |corpus vocabulary|)
-        log_normalizer = torch.logaddexp(logits.logsumexp(-1), torch.tensor(log_others))  # + the zero logits
-        target_logits = logits.gather(-1, targets[rows][:, 1:, None]).squeeze(-1)
-        loss = (log_normalizer - target_logits).mean()
-        loss.backward()
-        embedding.grad[~keep] = 0.0
-        optimizer.step()
-        optimizer.zero_grad()
-    torch.set_num_threads(threads)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
 
 
 def write_synthetic_labels(path: Path, tokenizer_dir: Path, n: int, seed: int = 0) -> Path:

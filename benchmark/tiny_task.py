@@ -1,0 +1,78 @@
+"""A tiny language task that runs anywhere in seconds: the tests' inputs and the side-by-side with OpenAI's code.
+
+A corpus of short sentences over a 23-word vocabulary (sentiment words among them, and '.'), and a 2-layer GPT-2 with
+GPT-2's real 50,257-token vocabulary that has learned that corpus a little: it writes its words and ends sentences
+with '.', so truncation after '.' and a sentiment labeler both have something to work with.
+
+The model is a pure function of its arguments on any x86 or ARM CPU: initialized from numpy's seeded legacy
+generator, trained in float64 on one thread and only then rounded to float32 (float64 summation-order differences
+between CPUs, ~1e-16, vanish in that rounding). This is what lets a CI machine rebuild the exact weights that
+OpenAI's code saw on another machine (benchmark/openai_reference/). Cheap on CPU: the embedding rows of tokens
+outside the corpus are 0, so their logits are exactly 0 and the full-vocabulary softmax needs only the corpus's ~40
+logits plus a constant (V - 40) * exp(0).
+"""
+
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+WORDS = "the a cat dog sat on mat happy sad good bad great terrible house river tree bird sun moon ran saw big small".split()
+TINY_GPT2 = dict(n_layer=2, n_head=4, n_embd=64, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+"""The tiny model's shape (GPT-2's vocabulary; 256 positions), without dropout (the training scripts remove it too)."""
+
+
+def synthetic_sentences(n: int, seed: int) -> list[str]:
+    """Lines of 2-4 short sentences made of the 23-word vocabulary: easy for a tiny LM to pick up, including '.'."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9))) for _ in range(rng.randint(2, 4))]
+        lines.append(". ".join(sentences).capitalize() + ".")
+    return lines
+
+
+def write_tiny_gpt2(directory: Path, tokenizer_dir: Path, corpus: list[str], steps: int, seed: int = 0) -> Path:
+    """A 2-layer GPT-2 (TINY_GPT2) briefly trained on `corpus` (Adam, lr 1e-2, 16 windows of 48 tokens a step),
+    saved with its tokenizer; the same bytes on every machine (module docstring)."""
+    rng = np.random.RandomState(seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: one thread is faster, immune to a busy machine, one summation order
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = GPT2LMHeadModel(GPT2Config(**TINY_GPT2)).double()
+    with torch.no_grad():  # GPT-2's initialization, drawn by numpy: weights N(0, 0.02), layer norms 1, biases 0
+        for name, param in model.named_parameters():
+            if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
+                param.fill_(1.0)
+            elif param.dim() == 2:
+                param.copy_(torch.from_numpy(rng.normal(0.0, 0.02, tuple(param.shape))))
+            else:
+                param.zero_()
+    ids = torch.tensor(tokenizer(" ".join(corpus))["input_ids"])
+    vocabulary, local_ids = torch.unique(ids, return_inverse=True)
+    embedding = model.transformer.wte.weight  # tied to the LM head
+    with torch.no_grad():
+        keep = torch.zeros(len(embedding), dtype=torch.bool)
+        keep[vocabulary] = True
+        embedding[~keep] = 0.0
+    log_others = torch.tensor(math.log(len(embedding) - len(vocabulary)), dtype=torch.float64)
+    windows, targets = (x[: len(ids) // 48 * 48].view(-1, 48) for x in (ids, local_ids))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+    for _ in range(steps):
+        rows = torch.from_numpy(rng.randint(len(windows), size=16))
+        hidden = model.transformer(input_ids=windows[rows]).last_hidden_state[:, :-1]  # (16, 47, d)
+        logits = hidden @ embedding[vocabulary].T  # (16, 47, |corpus vocabulary|)
+        log_normalizer = torch.logaddexp(logits.logsumexp(-1), log_others)  # + the zero logits
+        target_logits = logits.gather(-1, targets[rows][:, 1:, None]).squeeze(-1)
+        loss = (log_normalizer - target_logits).mean()
+        loss.backward()
+        embedding.grad[~keep] = 0.0
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.set_num_threads(threads)
+    model.float().save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
