@@ -208,6 +208,16 @@ def apply_smoke_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace)
             setattr(args, name, value)
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """The quick start's flags as it runs them: --smoke's sizes applied, --mixed-precision auto resolved."""
+    args = parser.parse_args(argv)
+    if args.smoke:
+        apply_smoke_sizes(parser, args)
+    if args.mixed_precision == "auto":
+        args.mixed_precision = "bf16" if cpu_has_bf16_units() else "no"
+    return args
+
+
 def cpu_has_bf16_units() -> bool:
     """avx512_bf16 or amx_bf16 among the CPU flags (Linux's /proc/cpuinfo)."""
     try:
@@ -342,7 +352,6 @@ def policy_command(args: argparse.Namespace, base_model: Path, corpus: Path, rew
         "--rewards.adaptive-kl.target", str(args.kl_target),
         "--rewards.adaptive-kl.horizon", str(args.kl_horizon),
         "--print-sample-output-freq", str(max(1, args.updates // 4)),
-        "--logprobs-from-generation",  # the sampling forwards' log-probs, as OpenAI's: one policy forward fewer
         "--local-rollout-forward-batch-size", "128",  # a gold evaluation's 128 samples in one call (memory knob)
         *shlex.split(args.policy_args),
     ]  # fmt: skip
@@ -494,11 +503,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     from rich.console import Console
 
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.smoke:
-        apply_smoke_sizes(parser, args)
-    if args.mixed_precision == "auto":
-        args.mixed_precision = "bf16" if cpu_has_bf16_units() else "no"
+    args = parse_args(parser, argv)
     output_dir = Path(args.output_dir).resolve()
     reward_dir, policy_dir = output_dir / "reward", output_dir / "policy"
     check_flags(parser, args, output_dir)

@@ -163,10 +163,6 @@ class Args(run_utils.RunArgs):
     compile: bool = False
     """torch.compile the policy's training forward (PPO epochs); the first update pays the compilation (tens of
     seconds on a CPU), later ones run the compiled kernels; same math to float rounding"""
-    logprobs_from_generation: bool = False
-    """keep the log-probs and values of the sampling forwards (KV-cached, one token at a time) as the rollout's, as
-    OAI's policy.respond did, instead of one more policy forward over query ⊕ response (the blog's code): saves that
-    forward; both agree to float rounding, so PPO's first ratios are 1 ± ~1e-6 instead of exactly 1"""
     print_sample_output_freq: int = 10
     """print (and save to samples.jsonl) a table of sample responses every this many updates"""
     eval_every: int = 10
@@ -288,9 +284,8 @@ def padded_forward(backbone: nn.Module, tokens: torch.Tensor, pad_id: int) -> to
 def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, response_length: int, temperature: float,
                      samples_per_context: int = 1):  # fmt: skip
     """Sample `response_length` tokens after each left-padded context, one at a time with the KV cache, as OAI's
-    language/sample.py sample_sequence: responses, the log-prob of each sampled token and the final hidden state
-    that predicted it (what a value head reads): (B, T), (B, T), (B, T, d), with B = contexts x samples_per_context
-    (each context's rows together; its forward runs once and its keys and values are shared by its samples)."""
+    language/sample.py sample_sequence: (B, T) responses, B = contexts x samples_per_context (each context's rows
+    together; its forward runs once and its keys and values are shared by its samples)."""
     # detail: fixed-length responses — exactly response_length tokens drawn from softmax(logits / temperature): no
     # top-k, no top-p, never stopped at EOS (OAI language/sample.py sample_sequence)
     attention_mask = contexts != pad_id
@@ -316,11 +311,10 @@ def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, respons
         cdf = probabilities.double().cumsum(-1)  # (B, V)
         uniform = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # (B, 1)
         token = torch.searchsorted(cdf, uniform, right=True).clamp_max(cdf.shape[1] - 1)  # (B, 1)
-        steps.append((token, probabilities.gather(1, token).log(), hidden))  # its log-prob, no second pass over V
+        steps.append(token)
         input_ids, position_ids = token, position_ids[:, -1:] + 1
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
-    tokens, logprobs, hiddens = zip(*steps, strict=True)
-    return torch.cat(tokens, 1), torch.cat(logprobs, 1), torch.stack(hiddens, 1)
+    return torch.cat(steps, 1)
 
 
 def truncate_responses(responses: torch.Tensor, truncate_token_id: int, truncate_after: int, pad_id: int):
@@ -527,9 +521,6 @@ def validate_args(args: Args) -> Args:
     if ppo.whiten_rewards and share < MIN_WHITEN_ROWS:
         run_utils.fail(f"--ppo.whiten-rewards needs >= {MIN_WHITEN_ROWS} rows per whitening share of a minibatch, got "
                        f"{share}: raise --ppo.batch-size or lower --ppo.whitening-ranks / --ppo.nminibatches")  # fmt: skip
-    if args.logprobs_from_generation and not args.task.scale_logprobs:
-        run_utils.fail("--logprobs-from-generation keeps the sampling log-probs, of logits / temperature: it cannot be "
-                       "combined with --task.no-scale-logprobs")  # fmt: skip
     if not 0 <= args.task.truncate_after < args.task.response_length:
         run_utils.fail("--task.truncate-after must be >= 0 and < --task.response-length")
     if args.rewards.trained_model is None:
@@ -665,24 +656,27 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, with_entrop
 
 
 @torch.no_grad()
-def rollout(policy: PolicyAndValueWrapper, ref_lm, contexts, pad_id: int, args: Args, timer=lambda phase: None):
-    """Sample a response to every context (prefix ⊕ query ⊕ suffix) and what PPO needs of it, in chunks of
-    --local-rollout-forward-batch-size rows: responses, policy log-probs, reference log-probs, values, (B, T) each."""
-    length, temperature, outputs = args.task.response_length, args.task.temperature, []
-    scale = temperature if args.task.scale_logprobs else 1.0  # the log-probs' logits are divided by it
-    for context in contexts.split(args.local_rollout_forward_batch_size):
-        response, logprobs, hidden = sample_responses(policy.lm, context, pad_id, length, temperature)
-        timer("time/generation")
-        query_response = torch.cat([context, response], 1)  # (b, C' + T)
-        if args.logprobs_from_generation:  # the sampling forwards' log-probs and values, as OAI's policy.respond
-            value = policy.value_head(hidden).squeeze(-1)
-        else:  # one more forward over query ⊕ response: the first PPO ratios are exactly 1
-            logits, value = policy(query_response, context.shape[1], pad_id, scale)
-            logprobs = logprobs_from_logits(logits, response)
-        ref_logits = lm_logits(ref_lm, query_response, context.shape[1], pad_id, scale)
-        outputs.append([response, logprobs, logprobs_from_logits(ref_logits, response), value.float()])
-        timer("time/logprobs")
-    return [torch.cat(tensors) for tensors in zip(*outputs, strict=True)]
+def generate_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, args: Args) -> torch.Tensor:
+    """Responses to the contexts (prefix ⊕ query ⊕ suffix), in chunks of --local-rollout-forward-batch-size: (B, T)."""
+    chunks = contexts.split(args.local_rollout_forward_batch_size)
+    task = args.task
+    return torch.cat([sample_responses(lm, chunk, pad_id, task.response_length, task.temperature) for chunk in chunks])
+
+
+@torch.no_grad()
+def rollout_logprobs(policy: PolicyAndValueWrapper, ref_lm, query_responses, context_length: int, pad_id: int, args):
+    """Log-probs of the responses under the policy and the reference policy, and the values: one forward each over
+    query ⊕ response, in chunks, the policy's the same computation as the PPO epochs' (so their first ratios are
+    exactly 1, also under bf16, where the sampling loop's KV-cached forwards differ by up to 0.2 in a log-prob):
+    (B, T) each."""
+    scale = args.task.temperature if args.task.scale_logprobs else 1.0  # the log-probs' logits are divided by it
+    outputs = []
+    for rows in query_responses.split(args.local_rollout_forward_batch_size):
+        response = rows[:, context_length:]
+        logits, values = policy(rows, context_length, pad_id, scale)
+        ref_logits = lm_logits(ref_lm, rows, context_length, pad_id, scale)
+        outputs.append([logprobs_from_logits(logits, response), logprobs_from_logits(ref_logits, response), values])
+    return [torch.cat(tensors).float() for tensors in zip(*outputs, strict=True)]
 
 
 @torch.no_grad()
@@ -855,12 +849,10 @@ def timing_stats(run, lm_and_value, timer, update_start: float, contexts, update
     if args.peak_tflops:  # this process's tokens: contexts ⊕ responses, and the responses that reach the LM head
         responses = contexts.shape[0] * args.task.response_length
         forward = run_utils.forward_flops(lm_and_value.lm, contexts.numel() + responses, responses)
-        rollout_forwards = 3 if args.logprobs_from_generation else 4  # generation, policy, reference, scoring
         train = ppo.noptepochs * 3 * forward
         stats["time/mfu_ppo_epochs"] = run_utils.mfu(train, timer.times["time/ppo_epochs"], args.peak_tflops)
-        stats["time/mfu_update"] = run_utils.mfu(
-            train + rollout_forwards * forward, sum(timer.times.values()), args.peak_tflops
-        )
+        # the rollout: generation, the policy's and the reference's forwards, scoring
+        stats["time/mfu_update"] = run_utils.mfu(train + 4 * forward, sum(timer.times.values()), args.peak_tflops)
     return stats
 
 
@@ -896,7 +888,11 @@ def evaluate_gold(
     devices = [accelerator.device] if accelerator.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(EVAL_SEED + accelerator.process_index)
-        responses, logprobs, ref_logprobs, _ = rollout(policy, ref_lm, contexts, tokenizer.pad_token_id, args)
+        responses = generate_responses(policy.lm, contexts, tokenizer.pad_token_id, args)
+    query_responses = torch.cat([contexts, responses], 1)
+    logprobs, ref_logprobs, _ = rollout_logprobs(
+        policy, ref_lm, query_responses, contexts.shape[1], tokenizer.pad_token_id, args
+    )
     postprocessed, scores = score_responses(reward_model, queries, responses, cut_token_id, args)
     texts = decode(tokenizer, postprocessed)
     gold = simulated_labeler_scores(args.task.gold_labeler, texts)
@@ -993,8 +989,15 @@ def main(args: Args) -> None:
         queries = stream.next_batch(args.local_batch_size).to(device)  # (B, C): what the reward model reads
         contexts = stream.format(queries)  # (B, C'): prefix ⊕ query ⊕ suffix, what the policy reads (C' = C: books)
         with accelerator.autocast():  # a no-op unless --mixed-precision bf16
-            # 1. rollout: responses, log-probs of the policy and of the reference policy, values
-            responses, logprobs, ref_logprobs, values = rollout(unwrapped, ref_lm, contexts, pad_id, args, timer)
+            # 1. rollout: sample responses, then the log-probs of the policy and of the reference policy and the
+            # values, from one forward each over query ⊕ response
+            responses = generate_responses(unwrapped.lm, contexts, pad_id, args)
+            timer("time/generation")
+            query_responses = torch.cat([contexts, responses], 1)  # (B, C' + T)
+            logprobs, ref_logprobs, values = rollout_logprobs(
+                unwrapped, ref_lm, query_responses, contexts.shape[1], pad_id, args
+            )
+            timer("time/logprobs")
             # 2. post-process responses and score them: truncation after the truncate token, and the penalty score
             # for a response without one after truncate_after
             postprocessed_responses, scores = score_responses(reward_model, queries, responses, cut_token_id, args)
@@ -1003,7 +1006,6 @@ def main(args: Args) -> None:
         kl, non_score_reward, rewards = compute_rewards(
             scores, logprobs, ref_logprobs, kl_coef, args.rewards.per_token_kl
         )
-        query_responses = torch.cat([contexts, responses], 1)  # (B, C' + T)
         # 4. PPO epochs; in each minibatch: whiten the rewards, GAE, whiten the advantages, clipped losses, one step
         # detail: batches and minibatches — a fresh shuffle every epoch, one optimizer step per minibatch, its
         # micro-batches only accumulate gradients (OAI train_policy.py PPOTrainer.train)

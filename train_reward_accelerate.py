@@ -239,9 +239,8 @@ def padded_forward(backbone: nn.Module, tokens: torch.Tensor, pad_id: int) -> to
 def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, response_length: int, temperature: float,
                      samples_per_context: int = 1):  # fmt: skip
     """Sample `response_length` tokens after each left-padded context, one at a time with the KV cache, as OAI's
-    language/sample.py sample_sequence: responses, the log-prob of each sampled token and the final hidden state
-    that predicted it (what a value head reads): (B, T), (B, T), (B, T, d), with B = contexts x samples_per_context
-    (each context's rows together; its forward runs once and its keys and values are shared by its samples)."""
+    language/sample.py sample_sequence: (B, T) responses, B = contexts x samples_per_context (each context's rows
+    together; its forward runs once and its keys and values are shared by its samples)."""
     # detail: fixed-length responses — exactly response_length tokens drawn from softmax(logits / temperature): no
     # top-k, no top-p, never stopped at EOS (OAI language/sample.py sample_sequence)
     attention_mask = contexts != pad_id
@@ -267,11 +266,10 @@ def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, respons
         cdf = probabilities.double().cumsum(-1)  # (B, V)
         uniform = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # (B, 1)
         token = torch.searchsorted(cdf, uniform, right=True).clamp_max(cdf.shape[1] - 1)  # (B, 1)
-        steps.append((token, probabilities.gather(1, token).log(), hidden))  # its log-prob, no second pass over V
+        steps.append(token)
         input_ids, position_ids = token, position_ids[:, -1:] + 1
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
-    tokens, logprobs, hiddens = zip(*steps, strict=True)
-    return torch.cat(tokens, 1), torch.cat(logprobs, 1), torch.stack(hiddens, 1)
+    return torch.cat(steps, 1)
 
 
 def truncate_responses(responses: torch.Tensor, truncate_token_id: int, truncate_after: int, pad_id: int):
@@ -559,7 +557,7 @@ def sample_and_score(ref_lm, reward_model, queries: QueryStream, n: int, args: A
     chunk = args.local_rollout_forward_batch_size
     for start in range(0, n, chunk):
         query = queries.next_batch(min(chunk, n - start)).to(ref_lm.device)  # (b, C)
-        response, _, _ = sample_responses(
+        response = sample_responses(
             ref_lm, queries.format(query), reward_model.pad_id, args.task.response_length, args.task.temperature
         )
         all_scores.append(reward_model(torch.cat([query, response], 1)))
@@ -620,7 +618,7 @@ def simulate_labels(run, ref_lm, queries: QueryStream, tokenizer, truncate_token
             run.stop_keeping_partial("labels", signum, {"records": records, "next": start, "stream": queries.state()})
         query = queries.next_batch(min(chunk, local - start)).to(ref_lm.device)  # (b, C): bare, as in OAI's files
         contexts = queries.format(query)  # (b, prefix + C + suffix)
-        response, _, _ = sample_responses(
+        response = sample_responses(
             ref_lm, contexts, pad_id, args.task.response_length, args.task.temperature, NUM_SAMPLES
         )  # (4b, T): each query's 4 samples together
         response, _ = truncate_responses(response, truncate_token_id, args.task.truncate_after, pad_id)

@@ -47,9 +47,7 @@ ARMS = {
     "no-reward-whitening": Arm(("--ppo.no-whiten-rewards",), changes=(("ppo.whiten_rewards", False),)),
     "no-advantage-whitening": Arm(("--ppo.no-whiten-advantages",), changes=(("ppo.whiten_advantages", False),)),
     "no-value-clipping": Arm(("--ppo.no-clip-value",), changes=(("ppo.clip_value", False),)),
-    "raw-logit-logprobs": Arm(  # the sampling log-probs are of logits / T: a separate forward instead
-        ("--no-logprobs-from-generation", "--task.no-scale-logprobs"), changes=(("task.scale_logprobs", False),)
-    ),
+    "raw-logit-logprobs": Arm(("--task.no-scale-logprobs",), changes=(("task.scale_logprobs", False),)),
     "random-value-head": Arm(("--no-zero-value-head",), changes=(("zero_value_head", False),)),
     "no-rejection-sampling": Arm(("--task.no-rejection-sampling",), changes=(("task.rejection_sampling", False),)),
     "no-reward-normalization": Arm(
@@ -59,6 +57,7 @@ ARMS = {
 }
 PAPER_ONLY = {"whole-batch-whitening": Arm(("--ppo.whitening-ranks", "1"), changes=(("ppo.whitening_ranks", 1),))}
 """The quick start already whitens over its whole 16-episode batch; at OpenAI's 512 this is a real arm."""
+ALL_ARMS = {**ARMS, **PAPER_ONLY}
 T_95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]  # Student t, 97.5%, df 1..10
 PAPER_GPU_HOURS = {"reward": 8 * 10 / 60, "policy": 8 * 1.5}  # estimates (README: ~10 min, ~1-2 h on 8 GPUs)
 

@@ -5,7 +5,7 @@ written out below, same inputs, same result — each pair is checked for equalit
 
     python benchmark/optimizations.py --model gpt2 --batch-size 8 --query-length 64 --response-length 24
 
-The flags that change the training loop itself (--logprobs-from-generation, --compile, --mixed-precision bf16) are
+The flags that change the training loop itself (--compile, --mixed-precision bf16) are
 measured with benchmark/throughput.py --extra="--compile", which runs the real loop.
 """
 

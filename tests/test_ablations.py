@@ -6,10 +6,12 @@ import json
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO
 
+import quickstart
 import run_utils
 import train_policy_accelerate as P
 import train_reward_accelerate as R
@@ -27,15 +29,50 @@ def flat(config, prefix: str = "") -> dict:
     return fields
 
 
-@pytest.mark.parametrize("name", [*ablations.ARMS, *ablations.PAPER_ONLY])
-def test_each_arm_changes_exactly_its_detail(name):
-    arm = {**ablations.ARMS, **ablations.PAPER_ONLY}[name]
+def script_flags(args: ablations.Args, name: str, tmp_path) -> dict[str, list[str]]:
+    """The flags each training script gets when the suite runs arm `name` for seed 1: the policy's and, if the arm
+    trains its own reward model, the reward script's. At cpu scale through quickstart.py, as it builds them."""
+    lines = [line.replace("{seed}", "1") for line in ablations.arm_commands(args, name, ablations.ALL_ARMS[name],
+                                                                            tmp_path)]  # fmt: skip
+    if args.scale == "cpu":
+        words = shlex.split(lines[0].split(" || ", 1)[1])
+        parser = quickstart.build_parser()
+        options = quickstart.parse_args(parser, words[2:])  # after `python quickstart.py`
+        base, corpus, out = tmp_path / "base", tmp_path / "corpus.txt", Path(options.output_dir)
+        reward_model = Path(options.reward_model or out / "reward" / "reward_model")
+        flags = {"policy": quickstart.policy_command(options, base, corpus, reward_model, out / "policy")[2:]}
+        if options.reward_model is None:
+            flags["reward"] = quickstart.reward_command(options, base, corpus, out / "reward")[2:]
+        return flags
+    scripts = {"train_reward_accelerate.py": "reward", "train_policy_accelerate.py": "policy"}
+    flags = {}
+    for line in lines:
+        words = shlex.split(line)
+        script = next(i for i, word in enumerate(words) if word in scripts)
+        flags[scripts[words[script]]] = words[script + 1 :]
+    return flags
+
+
+PATHS = {"output_dir", "rewards.trained_model"}
+"""Fields that differ between arms by where they write and which reward model they read, not by the detail."""
+
+
+@pytest.mark.parametrize(
+    ("scale", "name"), [("cpu", name) for name in ablations.ARMS] + [("paper", name) for name in ablations.ALL_ARMS]
+)
+def test_each_arm_changes_exactly_its_detail_in_the_commands_the_suite_runs(scale, name, tmp_path):
+    """Each arm's training-script flags, as the suite really runs them (at cpu scale: quickstart.py's commands with
+    the flags it adds, --reward-model included), against the full recipe's: exactly the arm's changes differ."""
+    args = ablations.Args(scale=scale)
+    full, arm = (script_flags(args, which, tmp_path) for which in ("full", name))
+    scripts = {"policy": P, "reward": R}
     changed = {}
-    for script, flags, base in ((P, arm.policy_flags, ["--rewards.trained-model", "x"]), (R, arm.reward_flags, [])):
-        full, switched = (flat(run_utils.task_cli(script.task_defaults, base + list(extra))) for extra in ([], flags))
-        changed.update({key: value for key, value in switched.items() if full[key] != value})
-    assert changed == dict(arm.changes)
+    for role, flags in arm.items():
+        parsed, reference = (flat(run_utils.task_cli(scripts[role].task_defaults, f)) for f in (flags, full[role]))
+        changed.update({key: value for key, value in parsed.items() if reference[key] != value and key not in PATHS})
+    assert changed == dict(ablations.ALL_ARMS[name].changes)
     assert bool(changed) == (name != "full")
+    assert ("reward" in arm) == (name == "full" or bool(ablations.ALL_ARMS[name].reward_flags))
 
 
 @pytest.mark.parametrize("scale", ["cpu", "paper"])

@@ -373,8 +373,8 @@ def test_validate_args_truncate_after_must_be_inside_the_response(monkeypatch):
 def test_sampling_returns_exactly_t_tokens_even_when_eos_dominates():
     lm = dominated_lm(EOS)
     queries = torch.tensor([[PAD, PAD, 15496, 995], [15496, 995, 11, 339]])  # left-padded, pad id out of vocab
-    responses, logprobs, hidden = P.sample_responses(lm, queries, PAD, 6, 0.7)
-    assert responses.shape == logprobs.shape == (2, 6) and hidden.shape == (2, 6, lm.config.n_embd)
+    responses = P.sample_responses(lm, queries, PAD, 6, 0.7)
+    assert responses.shape == (2, 6)
     assert responses.eq(EOS).all()  # the policy is free to emit EOS, and sampling goes on after it
     with pytest.raises(AssertionError):  # guard: stock generate() with the model's own settings stops at EOS
         lm.generation_config.eos_token_id = EOS
@@ -396,35 +396,26 @@ def sample_without_cache(lm, contexts: torch.Tensor, pad_id: int, length: int, t
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_sampling_loop_draws_what_full_forwards_draw_and_their_log_probs(kind):
+def test_sampling_loop_draws_what_full_forwards_draw(kind):
     """The loop (KV cache, logits / T, one inverse-CDF draw per step) draws exactly what full forwards without a
-    cache draw from the same RNG state, on left-padded contexts; its log-probs and hidden states are those of one
-    full forward over context ⊕ response (to float rounding), and other seeds give other responses. With several
+    cache draw from the same RNG state, on left-padded contexts, and other seeds give other responses. With several
     samples per context it draws what the repeated contexts draw: the shared context forward changes nothing."""
     lm = make_lm(kind)
     pad_id = lm.config.vocab_size
     contexts = torch.randint(0, 1000, (6, 7), generator=torch.Generator().manual_seed(0))
     contexts[1, :3], contexts[4, :6] = pad_id, pad_id
     torch.manual_seed(5)
-    responses, logprobs, hidden = P.sample_responses(lm, contexts, pad_id, 8, 0.7)
+    responses = P.sample_responses(lm, contexts, pad_id, 8, 0.7)
     torch.manual_seed(5)
     assert torch.equal(responses, sample_without_cache(lm, contexts, pad_id, 8, 0.7))
     torch.manual_seed(6)
-    assert not torch.equal(responses, P.sample_responses(lm, contexts, pad_id, 8, 0.7)[0])
-    query_responses = torch.cat([contexts, responses], 1)
-    with torch.no_grad():
-        full_hidden = P.padded_forward(lm.base_model, query_responses, pad_id)[:, contexts.shape[1] - 1 : -1]
-        full_logprobs = P.logprobs_from_logits(P.lm_logits(lm, query_responses, 7, pad_id, 0.7), responses)
-    torch.testing.assert_close(hidden, full_hidden, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(logprobs, full_logprobs, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(responses, P.sample_responses(lm, contexts, pad_id, 8, 0.7))
     torch.manual_seed(7)
     shared = P.sample_responses(lm, contexts[:3], pad_id, 8, 0.7, samples_per_context=4)
     torch.manual_seed(7)
     repeated = P.sample_responses(lm, contexts[:3].repeat_interleave(4, 0), pad_id, 8, 0.7)
-    assert shared[0].shape == (12, 8) and torch.equal(shared[0], repeated[0])
-    assert len(set(map(tuple, shared[0][:4].tolist()))) > 1  # a context's samples differ from each other
-    for a, b in zip(shared[1:], repeated[1:], strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert shared.shape == (12, 8) and torch.equal(shared, repeated)
+    assert len(set(map(tuple, shared[:4].tolist()))) > 1  # a context's samples differ from each other
 
 
 def test_sampling_is_softmax_of_logits_over_temperature_whatever_the_model_config_says():
@@ -436,7 +427,7 @@ def test_sampling_is_softmax_of_logits_over_temperature_whatever_the_model_confi
     lm.generation_config.repetition_penalty, lm.generation_config.no_repeat_ngram_size = 5.0, 1
     contexts = torch.tensor([[5, 6, 5, 7]]).repeat(2000, 1)
     torch.manual_seed(1)
-    responses, _, _ = P.sample_responses(lm, contexts, PAD, 1, 0.7)
+    responses = P.sample_responses(lm, contexts, PAD, 1, 0.7)
     with torch.no_grad():
         probabilities = F.softmax(lm(contexts[:1]).logits[0, -1] / 0.7, dim=-1)  # (V,)
     frequencies = torch.bincount(responses[:, 0], minlength=8).float() / 2000
@@ -525,39 +516,6 @@ def test_logprobs_and_entropy_by_hand():
     torch.testing.assert_close(entropy, torch.tensor([[0.562335, 0.693147]]), atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_logprobs_from_generation_match_the_recomputed_ones_and_skip_the_policy_forward(kind, monkeypatch):
-    """--logprobs-from-generation: the log-probs and values of the sampling forwards equal those of the rollout's
-    extra policy forward over query ⊕ response (to fp32 rounding), and that forward is not run. Left-padded
-    contexts, 2 rollout chunks, a value head with non-zero weights."""
-    lm = make_lm(kind)
-    pad_id = lm.config.vocab_size
-    policy, ref_lm = P.PolicyAndValueWrapper(lm), make_lm(kind)
-    torch.manual_seed(1)
-    nn.init.normal_(policy.value_head.weight)
-    contexts = torch.randint(0, 1000, (5, 6), generator=torch.Generator().manual_seed(0))
-    contexts[1, :2] = pad_id
-    contexts[3, :5] = pad_id
-    args = P.Args(local_rollout_forward_batch_size=3)
-    args.task = P.TaskHParams(response_length=5, truncate_after=1, temperature=0.7, penalty_reward_value=-1.0)
-    results, policy_calls = {}, []
-    monkeypatch.setattr(
-        P.PolicyAndValueWrapper, "__call__", lambda self, *a: policy_calls.append(a) or self.forward(*a)
-    )
-    for from_generation in (False, True):
-        args.logprobs_from_generation = from_generation
-        torch.manual_seed(0)
-        names = ("responses", "logprobs", "ref_logprobs", "values")
-        results[from_generation] = dict(zip(names, P.rollout(policy, ref_lm, contexts, pad_id, args), strict=True))
-    assert len(policy_calls) == 2  # the two chunks of the recomputing rollout, none with the flag
-    off, on = results[False], results[True]
-    assert torch.equal(off["responses"], on["responses"])  # the same draws
-    assert off["logprobs"].abs().min() > 0.1 and off["values"].abs().max() > 0.1  # numbers worth comparing
-    torch.testing.assert_close(on["logprobs"], off["logprobs"], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(on["values"], off["values"], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(on["ref_logprobs"], off["ref_logprobs"], atol=0, rtol=0)
-
-
 def test_no_scale_logprobs_takes_the_log_probs_of_the_raw_logits_but_samples_at_the_temperature():
     """--task.no-scale-logprobs (an ablation): the same draws (sampling stays at T = 0.7), but the policy and
     reference log-probs are those of logits / 1, not logits / 0.7; values unchanged."""
@@ -570,7 +528,9 @@ def test_no_scale_logprobs_takes_the_log_probs_of_the_raw_logits_but_samples_at_
     for scale in (True, False):
         args.task = P.TaskHParams(response_length=5, truncate_after=1, temperature=0.7, scale_logprobs=scale)
         torch.manual_seed(0)
-        results[scale] = P.rollout(policy, ref_lm, contexts, pad_id, args)
+        responses = P.generate_responses(lm, contexts, pad_id, args)
+        query_responses = torch.cat([contexts, responses], 1)
+        results[scale] = (responses, *P.rollout_logprobs(policy, ref_lm, query_responses, 6, pad_id, args))
     (responses, logprobs, ref_logprobs, values), raw = results[True], results[False]
     assert torch.equal(raw[0], responses) and torch.equal(raw[3], values)
     query_responses = torch.cat([contexts, responses], 1)
@@ -581,15 +541,6 @@ def test_no_scale_logprobs_takes_the_log_probs_of_the_raw_logits_but_samples_at_
             torch.testing.assert_close(scaled, expected[0.7], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(unscaled, expected[1.0], atol=1e-5, rtol=1e-5)
             assert (scaled - unscaled).abs().max() > 0.05  # a difference worth the name
-
-
-def test_no_scale_logprobs_refuses_logprobs_from_generation(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    args = policy_args()
-    args.logprobs_from_generation, args.task.scale_logprobs = True, False
-    with pytest.raises(SystemExit) as failure:
-        P.validate_args(args)
-    assert "--task.no-scale-logprobs" in one_line_error(failure)
 
 
 # ---------------------------------------------------------------------------------------------------------------

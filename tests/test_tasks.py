@@ -325,7 +325,10 @@ def test_policy_rollout_samples_from_the_contexts_and_scores_the_bare_queries(to
                               temperature=0.7, penalty_reward_value=-1.0)  # fmt: skip
     policy, ref_lm, reward = P.PolicyAndValueWrapper(tiny_lm(0)), tiny_lm(1), RecordingReward()
     torch.manual_seed(0)
-    responses, logprobs, ref_logprobs, _ = P.rollout(policy, ref_lm, contexts, PAD, args)
+    responses = P.generate_responses(policy.lm, contexts, PAD, args)
+    logprobs, ref_logprobs, _ = P.rollout_logprobs(
+        policy, ref_lm, torch.cat([contexts, responses], 1), contexts.shape[1], PAD, args
+    )
     postprocessed, _ = P.score_responses(reward, queries, responses, NEWLINE, args)
     seen = torch.cat(reward.seen)  # 2 chunks
     assert len(reward.seen) == 2 and torch.equal(seen, torch.cat([queries, postprocessed], 1))
@@ -345,7 +348,7 @@ def test_reward_script_samples_from_the_contexts_and_scores_the_bare_queries(tok
 
     def fake_sample(lm, contexts, pad_id, response_length, temperature, samples_per_context=1):
         generated.append(contexts)
-        return torch.full((len(contexts) * samples_per_context, response_length), NEWLINE), None, None
+        return torch.full((len(contexts) * samples_per_context, response_length), NEWLINE)
 
     monkeypatch.setattr(R, "sample_responses", fake_sample)
     labels = R.LabelHParams(source="sentiment", num_train=3, simulated_num_test=1)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One short GPU measurement of the real PPO loop (benchmark/throughput.py): GPT-2 124M and 774M (gpt2-large) at
-# OpenAI's batch of 512 episodes (64 + 24 tokens, 4 PPO epochs), in fp32, bf16 + TF32, and bf16 + TF32 + --compile +
-# --logprobs-from-generation; and GPT-2 124M under DeepSpeed ZeRO-2 (benchmark/deepspeed_zero2.yaml on every GPU of
+# OpenAI's batch of 512 episodes (64 + 24 tokens, 4 PPO epochs), in fp32, bf16 + TF32, and bf16 + TF32 + --compile;
+# and GPT-2 124M under DeepSpeed ZeRO-2 (benchmark/deepspeed_zero2.yaml on every GPU of
 # the node, NCCL: what the CPU tests cannot show; its reward model is trained under ZeRO-2 too). Each configuration
 # appends one JSON line to $RESULTS (its wall time included); one that fails or passes its time limit appends
 # {"name": ..., "failed": ...} and the script goes on.
@@ -14,7 +14,7 @@
 # wheels are installed with no index, and models are built from its GPT-2 tokenizer with random weights (no Hub).
 #
 # Time on one H100/H200 (an estimate, not measured yet): an update of GPT-2 124M at batch 512 is ~1.3e14 FLOPs (4
-# epochs x 3 forwards' worth + 3 rollout forwards of ~8.6e12: 85M trunk parameters x 45k tokens x 2, plus the LM
+# epochs x 3 forwards' worth + 4 rollout forwards of ~8.6e12: 85M trunk parameters x 45k tokens x 2, plus the LM
 # head on the response tokens): ~4-5 s in fp32 at half the H200's 67 TFLOP/s, a few s in bf16; gpt2-large is ~8x
 # that. With start-up (imports, a random model, a 1-step reward model: ~25-40 s) and 1 warm-up + UPDATES updates,
 # about 35 s + 30 s + 80 s (compile) for gpt2 and 105 s + 50 s + 120 s for gpt2-large, ~60 s for zero2: ~8 min.
@@ -23,7 +23,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 MODELS=${MODELS:-"gpt2 gpt2-large"}
-CONFIGS=${CONFIGS:-"fp32 bf16+tf32 bf16+tf32+compile+generation-logprobs zero2"}
+CONFIGS=${CONFIGS:-"fp32 bf16+tf32 bf16+tf32+compile zero2"}
 BATCH=${BATCH:-512}
 UPDATES=${UPDATES:-1}
 LIMIT=${LIMIT:-150}
@@ -54,7 +54,7 @@ python -c "import torch, transformers, accelerate, tyro; print(f'torch {torch.__
 declare -A FLAGS=(
     [fp32]=""
     [bf16+tf32]="--mixed-precision bf16 --allow-tf32"
-    [bf16+tf32+compile+generation-logprobs]="--mixed-precision bf16 --allow-tf32 --compile --logprobs-from-generation"
+    [bf16+tf32+compile]="--mixed-precision bf16 --allow-tf32 --compile"
     [zero2]=""
 )
 declare -A LAUNCHERS=([zero2]="accelerate launch --config_file benchmark/deepspeed_zero2.yaml --num_processes $gpus")
