@@ -218,6 +218,9 @@ def task_defaults(name: Optional[str] = None) -> Args:
 # drift apart): tokens and padding, models without dropout, sampling, truncation, TF-style Adam, the lr schedule,
 # queries, the reward model, the simulated labelers.
 # ---------------------------------------------------------------------------------------------------------------------
+NEVER_SAMPLED_LOGIT = -1e9  # the pad id's logit: exp() of it is exactly 0 in fp32, and (unlike -inf) 0 * it is 0
+
+
 def load_tokenizer(name_or_path: str, flag: str):
     """The base model's tokenizer with a pad token distinct from EOS, so the policy stays free to emit EOS."""
     # detail: pad token — GPT-2 has none; we add `[PAD]`, id 50257, one past the vocabulary, as OAI padded with an id
@@ -280,6 +283,17 @@ def padded_forward(backbone: nn.Module, tokens: torch.Tensor, pad_id: int) -> to
     return output.last_hidden_state
 
 
+def vocabulary_logits(lm: nn.Module, hidden: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """The LM head's logits in fp32 (also under bf16 autocast), the pad id's never a candidate: (..., V)."""
+    # OAI policy.py step_core cuts the logits to the vocabulary, so its pad id (past it) is never sampled and has no
+    # probability; ours is inside the head when the tokenizer has a pad token of its own or the head is larger than
+    # the tokenizer: its logit is masked then (finite, so that entropies over the masked softmax stay numbers)
+    logits = lm.get_output_embeddings()(hidden).float()
+    if pad_id < logits.shape[-1]:
+        logits = logits.index_fill(-1, torch.tensor([pad_id], device=logits.device), NEVER_SAMPLED_LOGIT)
+    return logits
+
+
 @torch.no_grad()
 def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, response_length: int, temperature: float,
                      samples_per_context: int = 1):  # fmt: skip
@@ -304,7 +318,7 @@ def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, respons
             hidden, attention_mask, position_ids = (
                 x.repeat_interleave(samples_per_context, 0) for x in (hidden, attention_mask, position_ids)
             )
-        logits = lm.get_output_embeddings()(hidden).float() / temperature  # (B, V)
+        logits = vocabulary_logits(lm, hidden, pad_id) / temperature  # (B, V)
         probabilities = F.softmax(logits, dim=-1)
         # one uniform per draw, by inverse CDF: the same distribution as torch.multinomial, which draws an
         # exponential per vocabulary entry and is ~30x slower on a CPU (docs/speed.md)
@@ -626,32 +640,33 @@ class PolicyAndValueWrapper(nn.Module):
     def forward(self, query_responses: torch.Tensor, context_length: int, pad_id: int, temperature: float):
         """Logits / temperature and values at the T positions that predict the response: ((B, T, V), (B, T))."""
         hidden = padded_forward(self.lm.base_model, query_responses, pad_id)[:, context_length - 1 : -1]  # (B, T, d)
-        return response_logits(self.lm, hidden, temperature), self.value_head(hidden).squeeze(-1)
+        return response_logits(self.lm, hidden, temperature, pad_id), self.value_head(hidden).squeeze(-1)
 
 
-def response_logits(lm: nn.Module, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
+def response_logits(lm: nn.Module, hidden: torch.Tensor, temperature: float, pad_id: int) -> torch.Tensor:
     """The LM head's logits at the response positions only, divided by the sampling temperature: (B, T, V)."""
     # detail: logits scaled by the sampling temperature — for the log-probs too (OAI policy.py analyze_responses_op;
     # without it the KL grows too fast; --task.no-scale-logprobs passes temperature 1 here)
-    logits = lm.get_output_embeddings()(hidden).float()  # fp32 also under bf16 autocast, before the division
-    return logits / temperature
+    return vocabulary_logits(lm, hidden, pad_id) / temperature  # fp32 also under bf16 autocast, before the division
 
 
 def lm_logits(lm: nn.Module, query_responses: torch.Tensor, context_length: int, pad_id: int, temperature: float):
     """Logits / temperature of a plain LM (the reference policy) at the response positions: (B, T, V)."""
     hidden = padded_forward(lm.base_model, query_responses, pad_id)[:, context_length - 1 : -1]  # (B, T, d)
-    return response_logits(lm, hidden, temperature)
+    return response_logits(lm, hidden, temperature, pad_id)
 
 
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool = False):
-    """log p(token) under the logits, (B, T); with_entropy: also the entropy of the full distribution, (B, T),
-    from the same log-softmax (one pass fewer over the (B, T, V) tensor than recomputing it)."""
-    all_logprobs = F.log_softmax(logits.float(), dim=-1)  # (B, T, V)
-    logprobs = torch.gather(all_logprobs, 2, tokens.unsqueeze(-1)).squeeze(-1)
+    """log p(token) under the logits, (B, T); with_entropy: also the entropy of the full distribution, (B, T)."""
+    logits = logits.float()
+    # logit - logsumexp: on a CPU, F.log_softmax in fp32 drops the many tiny terms of a 50k-token softmax (~1e-4 nats
+    # off float64 on the side-by-side's task, TensorFlow's kernel 8e-6, this 1e-6: docs/side-by-side.md)
+    log_normalizer = logits.logsumexp(-1)  # (B, T)
+    logprobs = logits.gather(2, tokens.unsqueeze(-1)).squeeze(-1) - log_normalizer
     if not with_entropy:
         return logprobs
-    with torch.no_grad():
-        entropy = -(all_logprobs.exp() * all_logprobs).sum(-1)
+    with torch.no_grad():  # OAI utils/core.py entropy_from_logits: logsumexp - E_p[logits]
+        entropy = log_normalizer - ((logits - log_normalizer.unsqueeze(-1)).exp() * logits).sum(-1)
     return logprobs, entropy
 
 

@@ -173,6 +173,9 @@ def task_defaults(name: Optional[str] = None) -> Args:
 # drift apart): tokens and padding, models without dropout, sampling, truncation, TF-style Adam, the lr schedule,
 # queries, the reward model, the simulated labelers.
 # ---------------------------------------------------------------------------------------------------------------------
+NEVER_SAMPLED_LOGIT = -1e9  # the pad id's logit: exp() of it is exactly 0 in fp32, and (unlike -inf) 0 * it is 0
+
+
 def load_tokenizer(name_or_path: str, flag: str):
     """The base model's tokenizer with a pad token distinct from EOS, so the policy stays free to emit EOS."""
     # detail: pad token — GPT-2 has none; we add `[PAD]`, id 50257, one past the vocabulary, as OAI padded with an id
@@ -235,6 +238,17 @@ def padded_forward(backbone: nn.Module, tokens: torch.Tensor, pad_id: int) -> to
     return output.last_hidden_state
 
 
+def vocabulary_logits(lm: nn.Module, hidden: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """The LM head's logits in fp32 (also under bf16 autocast), the pad id's never a candidate: (..., V)."""
+    # OAI policy.py step_core cuts the logits to the vocabulary, so its pad id (past it) is never sampled and has no
+    # probability; ours is inside the head when the tokenizer has a pad token of its own or the head is larger than
+    # the tokenizer: its logit is masked then (finite, so that entropies over the masked softmax stay numbers)
+    logits = lm.get_output_embeddings()(hidden).float()
+    if pad_id < logits.shape[-1]:
+        logits = logits.index_fill(-1, torch.tensor([pad_id], device=logits.device), NEVER_SAMPLED_LOGIT)
+    return logits
+
+
 @torch.no_grad()
 def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, response_length: int, temperature: float,
                      samples_per_context: int = 1):  # fmt: skip
@@ -259,7 +273,7 @@ def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, respons
             hidden, attention_mask, position_ids = (
                 x.repeat_interleave(samples_per_context, 0) for x in (hidden, attention_mask, position_ids)
             )
-        logits = lm.get_output_embeddings()(hidden).float() / temperature  # (B, V)
+        logits = vocabulary_logits(lm, hidden, pad_id) / temperature  # (B, V)
         probabilities = F.softmax(logits, dim=-1)
         # one uniform per draw, by inverse CDF: the same distribution as torch.multinomial, which draws an
         # exponential per vocabulary entry and is ~30x slower on a CPU (docs/speed.md)
@@ -732,8 +746,9 @@ def main(args: Args) -> None:
         run.print(
             f"--label-dataset: no records beyond --labels.num-train {args.labels.num_train}: no held-out evaluation"
         )
-    # the label order: one permutation drawn on process 0 and broadcast, so all processes agree on it
-    order = [torch.randperm(args.labels.num_train, generator=torch.Generator().manual_seed(args.seed))]
+    # the label order: OAI's own for the same seed (train_reward.py: numpy seeded with the seed, its first draw),
+    # drawn on process 0 and broadcast, so all processes agree on it
+    order = [torch.from_numpy(np.random.RandomState(args.seed).permutation(args.labels.num_train))]
     order = broadcast_object_list(order)[0]
     unwrapped, rank = accelerator.unwrap_model(reward_model), accelerator.process_index
     trunk_params = run_utils.trunk_parameters(unwrapped.backbone)

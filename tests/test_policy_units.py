@@ -381,6 +381,32 @@ def test_sampling_returns_exactly_t_tokens_even_when_eos_dominates():
         assert lm.generate(queries[1:], max_new_tokens=6, do_sample=True).shape[1] == 4 + 6
 
 
+def test_a_pad_id_inside_the_models_vocabulary_is_never_sampled_and_has_no_probability():
+    """A tokenizer with a pad token of its own (or a head larger than the tokenizer): the pad id is a row of the LM
+    head. Here the model would emit it with probability ~1 (logit 64 vs 0): the sampler never does, and the
+    log-probs and entropies of the rollout and the PPO epochs give it none (OAI cuts the logits to the vocabulary);
+    the earlier code sampled it, and its log-prob (recomputed with the pad masked out of attention) was off."""
+    pad_id = 7
+    lm = dominated_lm(pad_id)
+    policy, ref_lm = P.PolicyAndValueWrapper(lm), dominated_lm(pad_id)
+    contexts = torch.tensor([[pad_id, 15496, 995, 11], [15496, 995, 11, 339]])  # left-padded with that pad id
+    torch.manual_seed(0)
+    responses = P.sample_responses(lm, contexts, pad_id, 6, 0.7)
+    assert responses.shape == (2, 6) and not (responses == pad_id).any()
+    args = P.Args(local_rollout_forward_batch_size=2)
+    args.task = P.TaskHParams(response_length=6, truncate_after=1, temperature=0.7)
+    logprobs, ref_logprobs, _ = P.rollout_logprobs(policy, ref_lm, torch.cat([contexts, responses], 1), 4, pad_id, args)
+    with torch.no_grad():
+        logits, _ = policy(torch.cat([contexts, responses], 1), 4, pad_id, 0.7)
+        _, entropy = P.logprobs_from_logits(logits, responses, with_entropy=True)
+    probabilities = logits.softmax(-1)
+    assert probabilities[..., pad_id].max() == 0 and torch.isfinite(entropy).all()
+    # the other 50,256 tokens share the mass evenly: log-prob -ln(50256), entropy ln(50256)
+    torch.testing.assert_close(logprobs, torch.full_like(logprobs, -math.log(50256)))
+    torch.testing.assert_close(entropy, torch.full_like(entropy, math.log(50256)))
+    torch.testing.assert_close(ref_logprobs, logprobs)
+
+
 def sample_without_cache(lm, contexts: torch.Tensor, pad_id: int, length: int, temperature: float):
     """The reference the loop must equal: a full forward over context ⊕ the tokens so far for every new token (no KV
     cache), softmax(logits / T), and one uniform per row by inverse CDF, drawn in the same order."""
