@@ -411,8 +411,10 @@ class Interrupted(Exception):
 
 def run_script(console, title: str, command: list[str], environment: dict[str, str]) -> None:
     """Run a training script, its output (rich progress bars included) going straight to this terminal. It runs in a
-    process group of its own, so that each Ctrl-C reaches it exactly once, passed on from here: the first makes it
-    finish its step, write a checkpoint and stop (exit 130), a second stops it at once."""
+    process group of its own, so that each Ctrl-C reaches it exactly once, passed on from here. The first as SIGTERM,
+    which a running script answers as it answers a Ctrl-C (finish the step, write a checkpoint, stop) and a script
+    still importing its libraries or loading, before its handler exists, by ending at once without a traceback (a
+    SIGINT there is a KeyboardInterrupt with a 40-line one); a second Ctrl-C, as SIGINT, stops it at once."""
     console.print(f"[dim]$ python {shlex.join(command[1:])}[/dim]", soft_wrap=True)
     process = subprocess.Popen(command, env=environment, cwd=REPO, process_group=0)
     interrupted = False
@@ -421,8 +423,8 @@ def run_script(console, title: str, command: list[str], environment: dict[str, s
             returncode = process.wait()
             break
         except KeyboardInterrupt:
+            process.send_signal(signal.SIGINT if interrupted else signal.SIGTERM)
             interrupted = True
-            process.send_signal(signal.SIGINT)
     if interrupted or returncode == 128 + signal.SIGINT:
         raise Interrupted(title)
     if returncode != 0:

@@ -455,11 +455,13 @@ class Run:
         if args.overwrite:
             check_inputs_outside(args, [Path(args.output_dir, name) for name in (*RUN_LOGS, "checkpoints", result)])
         self.args, self.accelerator, self.result, self.step_name = args, accelerator, result, step_name
-        self.main, self.console = accelerator.is_main_process, console
+        self.main, self.console, self.stop_signal = accelerator.is_main_process, console, None
+        for signum in (signal.SIGTERM, signal.SIGINT):  # before the first file is written: a stop keeps it whole
+            signal.signal(signum, self.handle_signal)
         self.output_dir = prepare_output_dir(args.output_dir, result, args.overwrite, args.resume)
         accelerator.wait_for_everyone()  # every process has looked at the directory before process 0 writes to it
         self.finished = args.resume and (self.output_dir / result).is_dir()
-        self.start_step, self.start_time, self.stop_signal, self.checkpoint = 0, time.time(), None, None
+        self.start_step, self.start_time, self.checkpoint = 0, time.time(), None
         self.file = self.tensorboard = self.wandb = None
         if self.finished:
             self.print(f"--resume: {self.output_dir} holds a finished run ({result}/ exists); nothing to do")
@@ -470,8 +472,6 @@ class Run:
         if self.main:
             self.start_files()
         accelerator.wait_for_everyone()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self.handle_signal)
         if not sys.stdout.isatty():  # a log file: no "Loading weights" / "Writing model shards" bars in it
             from transformers.utils import logging
 
