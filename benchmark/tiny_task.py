@@ -35,8 +35,16 @@ def synthetic_sentences(n: int, seed: int) -> list[str]:
     return lines
 
 
-def write_tiny_gpt2(directory: Path, tokenizer_dir: Path, corpus: list[str], steps: int, seed: int = 0) -> Path:
-    """A 2-layer GPT-2 (TINY_GPT2) briefly trained on `corpus` (Adam, lr 1e-2, 16 windows of 48 tokens a step),
+def write_tiny_gpt2(
+    directory: Path,
+    tokenizer_dir: Path,
+    corpus: list[str],
+    steps: int,
+    seed: int = 0,
+    lr: float = 1e-2,
+    batch: int = 16,
+) -> Path:
+    """A 2-layer GPT-2 (TINY_GPT2) briefly trained on `corpus` (Adam, `batch` windows of 48 tokens a step),
     saved with its tokenizer; the same bytes on every machine (module docstring)."""
     rng = np.random.RandomState(seed)
     threads = torch.get_num_threads()
@@ -60,11 +68,11 @@ def write_tiny_gpt2(directory: Path, tokenizer_dir: Path, corpus: list[str], ste
         embedding[~keep] = 0.0
     log_others = torch.tensor(math.log(len(embedding) - len(vocabulary)), dtype=torch.float64)
     windows, targets = (x[: len(ids) // 48 * 48].view(-1, 48) for x in (ids, local_ids))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr, foreach=False)
     for _ in range(steps):
-        rows = torch.from_numpy(rng.randint(len(windows), size=16))
-        hidden = model.transformer(input_ids=windows[rows]).last_hidden_state[:, :-1]  # (16, 47, d)
-        logits = hidden @ embedding[vocabulary].T  # (16, 47, |corpus vocabulary|)
+        rows = torch.from_numpy(rng.randint(len(windows), size=batch))
+        hidden = model.transformer(input_ids=windows[rows]).last_hidden_state[:, :-1]  # (batch, 47, d)
+        logits = hidden @ embedding[vocabulary].T  # (batch, 47, |corpus vocabulary|)
         log_normalizer = torch.logaddexp(logits.logsumexp(-1), log_others)  # + the zero logits
         target_logits = logits.gather(-1, targets[rows][:, 1:, None]).squeeze(-1)
         loss = (log_normalizer - target_logits).mean()

@@ -1,0 +1,758 @@
+"""This project side by side with OpenAI's own lm-human-preferences, on one CPU: the same tiny task run by both.
+
+    python benchmark/side_by_side.py --openai-src ../lm-human-preferences          # everything (~1.5 h on 2 cores)
+    python benchmark/side_by_side.py --openai-src DIR --stages reward update1        # some stages
+    python benchmark/side_by_side.py --report-only                                   # tables and pictures again
+    python benchmark/side_by_side.py --openai-src DIR --write-reference              # + benchmark/openai_reference/
+
+OpenAI's code (a checkout of https://github.com/openai/lm-human-preferences at commit cbfd210, never installed from
+PyPI, where a package of that name is a dummy) runs unmodified on tensorflow-cpu 2.21 in a venv of its own that this
+script builds from PyPI (benchmark/openai_tf/: the shim, the instrumented runner, the checkpoint writer). Both sides
+start from the same weights (benchmark/openai_bridge.py) of the same tiny task (benchmark/tiny_task.py: a 2-layer
+GPT-2 with GPT-2's vocabulary that has learned a 23-word corpus a little; best-of-4 labels of its own samples by the
+VADER sentiment labeler; queries of 8 tokens, responses of 12 cut after a '.' at index >= 6).
+
+Stages (each writes OUT/STAGE/, and the comparison as OUT/STAGE/comparison.json):
+  assets    the tokenizer, corpus, base model, labels; OpenAI's initial model (base + this project's reward head init)
+  reward    reward model training, 1 and 2 ranks: every step's loss and accuracy, the normalization's mean, std,
+            gain and bias before and after (the normalizations score the same samples: OpenAI's, given to ours)
+  update1   PPO update 1 on the same rollout: every stat OpenAI logs; 1 minibatch and 2 (with OpenAI's numpy
+            permutations), 1 rank and 2 (mpiexec -n 2 against 2 torchrun processes)
+  teacher   --teacher-updates updates, each update's rollout (OpenAI's samples) given to both sides
+  curves    free-running learning curves, --seeds seeds a side, and seconds per update
+  report    OUT/side_by_side.md (tables) and OUT/side_by_side.png (curves), from what the stages wrote
+Without --openai-src the OpenAI stages are skipped with one line (the report reads what earlier runs wrote).
+"""
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import numpy as np
+import tyro
+
+REPO = Path(__file__).resolve().parents[1]
+
+OPENAI_COMMIT = "cbfd210bb8b08f6bc5c26878c10984b90f516c66"
+OPENAI_PACKAGES = ["tensorflow-cpu==2.21.0", "typeguard==2.13.3", "regex==2026.11.19", "ftfy==6.3.1"]
+"""OpenAI's dependencies that still run its code (typeguard 3 changed check_type); TF 2.21 runs TF1 code through
+tf.compat.v1. Never `lm-human-preferences`: on PyPI that name is a dependency-confusion dummy."""
+MPI_PACKAGES = ["mpi4py==4.1.2", "mpich==5.0.2"]
+"""OpenAI's real multi-rank path (mpiexec -n 2) from PyPI wheels alone."""
+STAGES = ("assets", "reward", "update1", "teacher", "curves", "report")
+
+# the tiny task: one place for both sides' settings
+TASK = dict(query_length=8, response_length=12, truncate_after=6, temperature=0.7)
+CORPUS = dict(lines=600, seed=1)
+BASE_MODEL = dict(steps=600, lr=1e-3, seed=0)
+"""benchmark/tiny_task.py's recipe: lr 1e-3 for 600 steps leaves the last hidden states varying across inputs (the
+tests' lr 1e-2 for 150 steps grows an input-independent residual of norm ~170 in block 0, which squeezes a fresh
+reward head's outputs into a std of 0.004 around -1.4: float32's E[r^2] - mean^2 then loses 1% of the variance)."""
+LABELS = dict(num_train=2048, num_test=256, seed=1)
+REWARD = dict(batch_size=32, lr=3e-3, rollout_batch_size=64, normalize_samples=64)
+POLICY = dict(batch_size=32, lr=1e-4, noptepochs=4, kl_coef=0.15, kl_target=1.0, kl_horizon=640)
+"""PPO on the tiny task: its KL crosses the target within 40 updates, so the controller moves both ways (at most
+0.2 * 32 / 640 = 1% an update)."""
+
+
+@dataclass
+class Args:
+    openai_src: Optional[str] = None
+    """a checkout of openai/lm-human-preferences at commit cbfd210 (git clone, then git checkout cbfd210)"""
+    out: str = "runs/side_by_side"
+    """where every stage writes"""
+    openai_venv: str = ".cache/openai-tf-venv"
+    """the venv OpenAI's code runs in, built here from PyPI the first time (~1.7 GB)"""
+    stages: tuple[Literal["assets", "reward", "update1", "teacher", "curves", "report"], ...] = STAGES
+    """stages to run, in this order (each reads what the earlier ones wrote)"""
+    mpi: bool = True
+    """also compare 2 ranks (installs mpi4py + mpich wheels into the venv); --no-mpi: one rank only"""
+    teacher_updates: int = 12
+    """updates of the teacher-forced comparison"""
+    seeds: int = 10
+    """free-running seeds a side"""
+    updates: int = 40
+    """free-running updates per seed (of POLICY's batch)"""
+    write_reference: bool = False
+    """copy OpenAI's outputs and the inputs they came from into benchmark/openai_reference/ (the CI test's data)"""
+    report_only: bool = False
+    """only the report stage"""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# running both sides
+
+
+class OpenAI:
+    """OpenAI's code in its TensorFlow venv: runs benchmark/openai_tf/*.py with the shim's environment."""
+
+    def __init__(self, args: Args, assets: Path):
+        src = Path(args.openai_src).resolve()
+        commit = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True)
+        if commit.returncode != 0 or commit.stdout.strip() != OPENAI_COMMIT:
+            found = commit.stdout.strip() or "not a git checkout"
+            raise SystemExit(f"error: --openai-src {src}: expected commit {OPENAI_COMMIT[:7]}, found {found[:12]}")
+        self.python, self.mpi = build_openai_venv(Path(args.openai_venv), args.mpi), args.mpi
+        self.environment = {**os.environ, "OAI_SRC": str(src), "OAI_TOKENIZER": str(assets / "tokenizer"),
+                            "OAI_QUERIES": str(assets / "corpus.txt"), "TF_ENABLE_ONEDNN_OPTS": "0",
+                            "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONWARNINGS": "ignore"}  # fmt: skip
+
+    def run(self, command: str, config: dict, ranks: int = 1) -> float:
+        """run_openai.py COMMAND with `config` (written to config["out"]/config.json); returns the wall seconds."""
+        out = Path(config["out"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(config, indent=1))
+        script = [str(REPO / "benchmark" / "openai_tf" / "run_openai.py"), command, str(out / "config.json")]
+        if ranks == 1:
+            line = [self.python, *script]
+        else:
+            line = [str(Path(self.python).parent / "mpiexec"), "-n", str(ranks), self.python, *script]
+        environment = {**self.environment, **({"OAI_MPI": "real", "OMP_NUM_THREADS": "1"} if ranks > 1 else {})}
+        return run_logged(line, out / "log.txt", environment)
+
+    def write_checkpoint(self, arrays: dict, prefix: Path) -> None:
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(prefix.parent / "arrays.npz", **arrays)
+        script = str(REPO / "benchmark" / "openai_tf" / "checkpoint.py")
+        run_logged([self.python, script, "write", str(prefix.parent / "arrays.npz"), str(prefix)],
+                   prefix.parent / "checkpoint_log.txt", self.environment)  # fmt: skip
+
+    def read_checkpoint(self, prefix: Path, arrays_path: Path) -> dict:
+        script = str(REPO / "benchmark" / "openai_tf" / "checkpoint.py")
+        run_logged([self.python, script, "read", str(prefix), str(arrays_path)], arrays_path.with_suffix(".log"),
+                   self.environment)  # fmt: skip
+        return dict(np.load(arrays_path))
+
+
+def build_openai_venv(venv: Path, mpi: bool) -> str:
+    """The venv's python, after installing OpenAI's dependencies (and the MPI wheels) the first time."""
+    python = venv / "bin" / "python"
+    packages = OPENAI_PACKAGES + (MPI_PACKAGES if mpi else [])
+    marker = venv / "installed.json"
+    if not marker.exists() or not set(packages) <= set(json.loads(marker.read_text())):
+        print(f"side by side: installing {' '.join(packages)} into {venv} (once; ~1.7 GB, a minute or two)")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *packages], check=True)
+        marker.write_text(json.dumps(packages))
+    return str(python)
+
+
+def run_logged(command: list[str], log: Path, environment: dict) -> float:
+    """Run a command with its output in `log`; on failure, stop with the log's tail. Returns the wall seconds."""
+    start = time.time()
+    with open(log, "w") as file:
+        result = subprocess.run(command, stdout=file, stderr=subprocess.STDOUT, env=environment, cwd=REPO)
+    if result.returncode != 0:
+        tail = "\n".join(log.read_text().splitlines()[-25:])
+        raise SystemExit(
+            f"{tail}\nerror: `{shlex.join(command[:4])} ...` failed (exit {result.returncode}); log: {log}"
+        )
+    return time.time() - start
+
+
+def run_ours(script: str, flags: list[str], out: Path, processes: int = 1, replay: Optional[Path] = None) -> float:
+    """One of this project's scripts (through benchmark/replay.py when given samples), replacing an earlier run in
+    its --output-dir; returns the wall seconds."""
+    out.mkdir(parents=True, exist_ok=True)
+    flags = [*flags, "--overwrite"]
+    target = [str(REPO / "benchmark" / "replay.py"), script, str(replay)] if replay else [str(REPO / f"{script}")]
+    if processes == 1:
+        command = [sys.executable, *target, *flags]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+                   *target, *flags]  # fmt: skip
+    environment = {**os.environ, "ACCELERATE_USE_CPU": "true", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
+                   **({"OMP_NUM_THREADS": "1"} if processes > 1 else {})}  # fmt: skip
+    return run_logged(command, out / "log.txt", environment)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the task's settings on both sides
+
+
+def our_task_flags(assets: Path) -> list[str]:
+    return ["--base-model", str(assets / "base"), "--task.query-dataset", str(assets / "corpus.txt"),
+            "--task.query-length", str(TASK["query_length"]), "--task.response-length", str(TASK["response_length"]),
+            "--task.truncate-after", str(TASK["truncate_after"]), "--task.temperature", str(TASK["temperature"]),
+            "--task.start-text", "", "--task.end-text", "", "--task.passage-rows", "1"]  # fmt: skip
+
+
+def openai_task_hparams(assets: Path) -> dict:
+    return {"task.query_length": TASK["query_length"], "task.query_dataset": "side_by_side",
+            "task.response_length": TASK["response_length"], "task.start_text": None, "task.end_text": None,
+            "task.truncate_token": 13, "task.truncate_after": TASK["truncate_after"], "task.penalty_reward_value": -1,
+            "task.policy.temperature": TASK["temperature"],
+            "task.policy.initial_model": str(assets / "openai_initial_model")}  # fmt: skip
+
+
+def our_reward_flags(assets: Path, seed: int = 1) -> list[str]:
+    return [*our_task_flags(assets), "--label-dataset", str(assets / "labels.json"),
+            "--labels.num-train", str(LABELS["num_train"]), "--batch-size", str(REWARD["batch_size"]),
+            "--lr", str(REWARD["lr"]), "--rollout-batch-size", str(REWARD["rollout_batch_size"]),
+            "--normalize-samples", str(REWARD["normalize_samples"]), "--print-sample-output-freq", "1000000",
+            "--seed", str(seed)]  # fmt: skip
+
+
+def openai_reward_hparams(assets: Path, seed: int = 1) -> dict:
+    return {**openai_task_hparams(assets), "labels.type": "best_of_4", "labels.num_train": LABELS["num_train"],
+            "labels.source": str(assets / "labels.json"), "batch_size": REWARD["batch_size"], "lr": REWARD["lr"],
+            "rollout_batch_size": REWARD["rollout_batch_size"], "normalize_before": True, "normalize_after": True,
+            "normalize_samples": REWARD["normalize_samples"], "run.seed": seed, "run.log_interval": 10**9}  # fmt: skip
+
+
+def our_policy_flags(assets: Path, updates: int, seed: int = 1, nminibatches: int = 1, ranks: int = 1) -> list[str]:
+    return [*our_task_flags(assets), "--rewards.trained-model", str(assets / "reward_model"),
+            "--rewards.kl-coef", str(POLICY["kl_coef"]), "--rewards.adaptive-kl.target", str(POLICY["kl_target"]),
+            "--rewards.adaptive-kl.horizon", str(POLICY["kl_horizon"]), "--ppo.batch-size", str(POLICY["batch_size"]),
+            "--ppo.total-episodes", str(POLICY["batch_size"] * updates), "--ppo.lr", str(POLICY["lr"]),
+            "--ppo.noptepochs", str(POLICY["noptepochs"]), "--ppo.nminibatches", str(nminibatches),
+            "--ppo.whitening-ranks", str(ranks), "--print-sample-output-freq", "1000000", "--seed", str(seed)]  # fmt: skip
+
+
+def openai_policy_hparams(assets: Path, updates: int, seed: int = 1, nminibatches: int = 1) -> dict:
+    return {**openai_task_hparams(assets), "rewards.trained_model": str(assets / "openai_reward_model"),
+            "rewards.kl_coef": POLICY["kl_coef"], "rewards.adaptive_kl": "on",
+            "rewards.adaptive_kl.target": POLICY["kl_target"], "rewards.adaptive_kl.horizon": POLICY["kl_horizon"],
+            "ppo.batch_size": POLICY["batch_size"], "ppo.total_episodes": POLICY["batch_size"] * updates,
+            "ppo.lr": POLICY["lr"], "ppo.noptepochs": POLICY["noptepochs"], "ppo.nminibatches": nminibatches,
+            "run.seed": seed, "run.log_interval": 10**9}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the stages
+
+
+def stage_assets(out: Path, openai: OpenAI) -> None:
+    """Tokenizer, corpus, base model and labels (this project's code), and OpenAI's initial model from them."""
+    import torch
+    from transformers import AutoModel
+
+    import train_reward_accelerate as R
+    from benchmark.openai_bridge import head_to_openai, lm_arrays
+    from benchmark.tiny_task import synthetic_sentences, write_tiny_gpt2
+    from quickstart_assets import prepare_gpt2_tokenizer
+
+    assets = out / "assets"
+    assets.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(prepare_gpt2_tokenizer(REPO / ".cache"), assets / "tokenizer", dirs_exist_ok=True)
+    corpus = synthetic_sentences(CORPUS["lines"], CORPUS["seed"])
+    (assets / "corpus.txt").write_text("\n".join(corpus) + "\n")
+    write_tiny_gpt2(assets / "base", assets / "tokenizer", corpus, **BASE_MODEL)
+    # best-of-4 labels of the base model's own samples, picked by the VADER labeler (the reward script makes them)
+    labels_run = assets / "labels_run"
+    flags = [*our_task_flags(assets), "--labels.source", "sentiment", "--labels.num-train", str(LABELS["num_train"]),
+             "--labels.simulated-num-test", str(LABELS["num_test"]), "--seed", str(LABELS["seed"]),
+             "--no-normalize-before", "--no-normalize-after", "--output-dir", str(labels_run)]  # fmt: skip
+    run_ours("train_reward_accelerate.py", flags, labels_run)
+    shutil.copy(labels_run / "labels.json", assets / "labels.json")
+    # OpenAI's initial model: the base model and the reward head this project's reward script starts from (seed 1)
+    tokenizer = R.load_tokenizer(str(assets / "base"), "--base-model")
+    torch.manual_seed(1)  # as train_reward_accelerate.py's main, before it builds the reward model
+    reward_model = R.RewardModel(
+        R.load_pretrained(AutoModel, str(assets / "base"), "--base-model"), tokenizer.pad_token_id
+    )
+    hparams, arrays = lm_arrays(assets / "base")  # and the reward head: OpenAI's init_op loads it when it is there
+    head = reward_model.scalar_head
+    arrays.update(head_to_openai(head.weight, head.bias, "model/heads/reward"))  # the value head is 0 on both sides
+    (assets / "openai_initial_model").mkdir(exist_ok=True)
+    (assets / "openai_initial_model" / "hparams.json").write_text(json.dumps(hparams))
+    openai.write_checkpoint(arrays, assets / "openai_initial_model" / "model.ckpt")
+
+
+def merge_ranks(directory: Path, name: str, ranks: int) -> dict:
+    """An .npz OpenAI's ranks wrote one each, as one global batch: rank r's rows are rows r * N / R ... (r + 1) * N / R
+    (for arrays of updates, (U, B, ...), along the batch axis)."""
+    if ranks == 1:
+        return dict(np.load(directory / name))
+    parts = [np.load(directory / name.replace(".npz", f".rank{r}.npz")) for r in range(ranks)]
+    return {key: np.concatenate([part[key] for part in parts], axis=1 if parts[0][key].ndim == 3 else 0)
+            for key in parts[0].files}  # fmt: skip
+
+
+def stage_reward(out: Path, openai: OpenAI, mpi: bool) -> None:
+    """OpenAI's train_reward and this project's on the same labels, order and normalization samples; 1 rank's reward
+    model becomes the policy stages' reward model on both sides."""
+    from benchmark.openai_bridge import reward_model_arrays
+
+    assets = out / "assets"
+    for ranks in (1, 2) if mpi else (1,):
+        stage = out / "reward" / f"ranks_{ranks}"
+        hparams = {**openai_reward_hparams(assets), "run.save_dir": str(stage / "openai_run")}
+        openai.run("reward", {"hparams": hparams, "out": str(stage / "openai")}, ranks)
+        np.savez(stage / "samples.npz", **merge_ranks(stage / "openai", "normalization_samples.npz", ranks))
+        flags = [*our_reward_flags(assets), "--output-dir", str(stage / "ours")]
+        run_ours("train_reward_accelerate.py", flags, stage / "ours", ranks, replay=stage / "samples.npz")
+        comparison = compare_reward(stage)
+        (stage / "comparison.json").write_text(json.dumps(comparison, indent=1))
+        print(f"reward, {ranks} rank(s): largest relative difference {comparison['largest']:.2e}")
+    shutil.copytree(out / "reward" / "ranks_1" / "ours" / "reward_model", assets / "reward_model", dirs_exist_ok=True)
+    hparams, arrays = reward_model_arrays(assets / "reward_model")
+    (assets / "openai_reward_model").mkdir(exist_ok=True)
+    (assets / "openai_reward_model" / "hparams.json").write_text(json.dumps(hparams))
+    openai.write_checkpoint(arrays, assets / "openai_reward_model" / "checkpoints" / "model.ckpt")
+    forward = forward_check(out, openai)
+    print(f"bridges: largest relative difference of OpenAI's forward and ours {forward['largest']:.2e}")
+
+
+def forward_check(out: Path, openai: OpenAI) -> dict:
+    """The bridges' check: OpenAI's log-probs, entropies and values (Policy.analyze_responses, on the base model with
+    a random value head) and rewards (TrainedRewardModel, the bridged reward model) of the same tokens as ours."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import train_policy_accelerate as P
+    from benchmark.openai_bridge import head_to_openai, lm_arrays
+
+    assets, stage = out / "assets", out / "reward" / "forward_check"
+    samples = np.load(out / "reward" / "ranks_1" / "samples.npz")
+    queries, responses = samples["before_queries"], samples["before_responses"]  # right-padded, OpenAI's pad id
+    (stage / "policy").mkdir(parents=True, exist_ok=True)
+    np.savez(stage / "tokens.npz", queries=queries, responses=responses)
+    value_head = torch.nn.Linear(AutoConfig.from_pretrained(assets / "base").n_embd, 1)
+    with torch.no_grad():
+        value_head.weight.copy_(torch.from_numpy(np.random.RandomState(7).normal(0, 0.1, (1, value_head.in_features))))
+        value_head.bias.fill_(0.5)
+    hparams, arrays = lm_arrays(assets / "base")
+    arrays.update(head_to_openai(value_head.weight, value_head.bias, "model/heads/value"))
+    (stage / "policy" / "hparams.json").write_text(json.dumps(hparams))
+    openai.write_checkpoint(arrays, stage / "policy" / "model.ckpt")
+    config = {"hparams": {**openai_policy_hparams(assets, 1), "task.policy.initial_model": str(stage / "policy")},
+              "out": str(stage / "openai"), "tokens": str(stage / "tokens.npz")}  # fmt: skip
+    openai.run("forward", config)
+    theirs = np.load(stage / "openai" / "forward.npz")
+    pad = P.load_tokenizer(str(assets / "base"), "--base-model").pad_token_id
+    policy = P.PolicyAndValueWrapper(P.load_pretrained(AutoModelForCausalLM, str(assets / "base"), "--base-model"))
+    policy.value_head.load_state_dict(value_head.state_dict())
+    reward_model = P.load_reward_model(str(assets / "reward_model"))
+    query_tokens, response_tokens = (torch.from_numpy(x).long() for x in (queries, responses))
+    query_tokens, response_tokens = (torch.where(x == 50259, pad, x) for x in (query_tokens, response_tokens))
+    tokens = torch.cat([P.right_padding_to_left_padding(query_tokens, pad), response_tokens], 1)
+
+    def our_forward(dtype) -> dict[str, np.ndarray]:
+        with torch.no_grad():
+            logits, values = policy.to(dtype)(tokens, queries.shape[1], pad, TASK["temperature"])
+            if dtype == torch.float32:  # the scripts' own log-probs
+                logprobs, entropies = P.logprobs_from_logits(logits, response_tokens, with_entropy=True)
+            else:  # float64 throughout (the LM head's logits come out in fp32: recomputed from the hidden states)
+                hidden = P.padded_forward(policy.lm.base_model, tokens, pad)[:, queries.shape[1] - 1 : -1]
+                all_logprobs = torch.log_softmax(policy.lm.get_output_embeddings()(hidden) / TASK["temperature"], -1)
+                logprobs = all_logprobs.gather(2, response_tokens[..., None]).squeeze(-1)
+                entropies = -(all_logprobs.exp() * all_logprobs).sum(-1)
+            scores = reward_model.to(dtype)(tokens)
+        outputs = dict(logprobs=logprobs, entropies=entropies, values=values, scores=scores)
+        return {key: value.double().numpy() for key, value in outputs.items()}
+
+    ours, exact = our_forward(torch.float32), our_forward(torch.float64)  # float64: what both sides round
+    rows = {}
+    for key, mine in ours.items():
+        difference = np.abs(mine - theirs[key])
+        relative = difference / np.maximum(np.abs(theirs[key]), 1e-3)
+        rows[key] = dict(scale=float(np.abs(theirs[key]).mean()), max_abs=float(difference.max()),
+                         max_relative=float(relative.max()), openai_vs_float64=float(np.abs(theirs[key] - exact[key]).max()),
+                         ours_vs_float64=float(np.abs(mine - exact[key]).max()))  # fmt: skip
+    result = dict(rows=rows, largest=max(row["max_relative"] for row in rows.values()), tokens=int(responses.size))
+    (stage / "comparison.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def compare_reward(stage: Path) -> dict:
+    """Every step's loss and accuracy, and each normalization's mean, std, gain and bias: OpenAI's and ours."""
+    openai_steps = read_jsonl(stage / "openai" / ("reward_steps.jsonl" if (stage / "openai" / "reward_steps.jsonl")
+                                                  .exists() else "reward_steps.rank0.jsonl"))  # fmt: skip
+    ours = read_jsonl(stage / "ours" / "metrics.jsonl")
+    ours_steps = {row["step"]: row for row in ours if "train/loss" in row}
+    steps = [dict(step=row["step"], openai_loss=row["loss"], ours_loss=ours_steps[row["step"]]["train/loss"],
+                  openai_accuracy=row["accuracy"], ours_accuracy=ours_steps[row["step"]]["train/accuracy"])
+             for row in openai_steps]  # fmt: skip
+    openai_json = (
+        stage / "openai" / ("reward.json" if (stage / "openai" / "reward.json").exists() else "reward.rank0.json")
+    )
+    normalizations = json.loads(openai_json.read_text())["normalizations"]
+    rows = []
+    for phase in ("before", "after"):
+        row = next(r for r in ours if f"normalization/{phase}/mean" in r)
+        mean, std = row[f"normalization/{phase}/mean"], row[f"normalization/{phase}/std"]
+        mine = dict(mean=mean, std=std, gain=1 / std, bias=-mean / std)
+        rows += [dict(quantity=f"{phase}/{k}", openai=normalizations[phase][k], ours=mine[k]) for k in mine]
+    relative = [relative_difference(s["openai_loss"], s["ours_loss"]) for s in steps]
+    relative += [relative_difference(r["openai"], r["ours"]) for r in rows]
+    accuracy = max(abs(s["openai_accuracy"] - s["ours_accuracy"]) for s in steps)
+    return dict(steps=steps, normalization=rows, largest=max(relative), largest_accuracy_difference=accuracy)
+
+
+def relative_difference(a: float, b: float, floor: float = 1e-8) -> float:
+    return abs(a - b) / max(abs(a), abs(b), floor)
+
+
+POLICY_STATS = ("objective/kl", "objective/kl_coef", "objective/entropy", "objective/score", "objective/score_total",
+                "ppo/loss/policy", "ppo/loss/value", "ppo/loss/total", "ppo/policy/entropy", "ppo/policy/approxkl",
+                "ppo/policy/clipfrac", "ppo/returns/mean", "ppo/returns/var", "ppo/val/vpred", "ppo/val/error",
+                "ppo/val/clipfrac", "ppo/val/mean", "ppo/val/var", "ppo/val/var_explained")  # fmt: skip
+"""Every algorithmic stat OpenAI's train_policy logs (record_step_stats; elapsed/* aside)."""
+OUR_NAMES = {"objective/score": "objective/scores"}  # where this project's name differs (the blog's)
+UPDATE1_CONFIGS = ((1, 1), (1, 2), (2, 1), (2, 2))
+"""(ranks, minibatches) of the update-1 comparison: OpenAI's default (1 minibatch), 2 minibatches with OpenAI's numpy
+permutations, and both on 2 ranks (mpiexec -n 2 against 2 processes with --ppo.whitening-ranks 2)."""
+
+
+def given_rollouts(source: Path, destination: Path) -> Path:
+    """The queries and responses OpenAI sampled in a free run, as the rollouts both sides are given."""
+    rollouts = np.load(source / "rollouts.npz")
+    np.savez(destination, queries=rollouts["queries"], responses=rollouts["responses"])
+    return destination
+
+
+def replay_with_orders(given: Path, openai_out: Path, ranks: int, destination: Path) -> Path:
+    """The given rollouts plus the minibatch orders OpenAI drew for them: (U, ranks, epochs, B / ranks)."""
+    names = ["rollouts.npz"] if ranks == 1 else [f"rollouts.rank{r}.npz" for r in range(ranks)]
+    orders = np.stack([np.load(openai_out / name)["orders"] for name in names], axis=1)
+    np.savez(destination, **np.load(given), orders=orders)
+    return destination
+
+
+def run_policy_pair(openai: OpenAI, stage: Path, given: Path, updates: int, ranks: int, nminibatches: int) -> dict:
+    """OpenAI's train_policy and this project's on the given rollouts; returns the comparison."""
+    assets = stage.parents[1] / "assets"
+    hparams = openai_policy_hparams(assets, updates, nminibatches=nminibatches)
+    seconds = openai.run("policy", {"hparams": hparams, "out": str(stage / "openai"), "inject": str(given)}, ranks)
+    replay = replay_with_orders(given, stage / "openai", ranks, stage / "replay.npz")
+    flags = [
+        *our_policy_flags(assets, updates, nminibatches=nminibatches, ranks=ranks),
+        "--output-dir",
+        str(stage / "ours"),
+    ]
+    our_seconds = run_ours("train_policy_accelerate.py", flags, stage / "ours", ranks, replay=replay)
+    comparison = {**compare_policy(stage), "seconds": dict(openai=seconds, ours=our_seconds)}
+    (stage / "comparison.json").write_text(json.dumps(comparison, indent=1))
+    return comparison
+
+
+def compare_policy(stage: Path) -> dict:
+    """Each update's stats, OpenAI's and ours, and their relative differences."""
+    openai_dir = stage / "openai"
+    openai_rows = read_jsonl(openai_dir / ("policy_stats.jsonl" if (openai_dir / "policy_stats.jsonl").exists()
+                                           else "policy_stats.rank0.jsonl"))  # fmt: skip
+    ours = {row["update"]: row for row in read_jsonl(stage / "ours" / "metrics.jsonl") if "objective/kl" in row}
+    updates = []
+    for row in openai_rows:
+        mine = ours[row["update"]]
+        stats = {key: dict(openai=row[key], ours=mine[OUR_NAMES.get(key, key)]) for key in POLICY_STATS}
+        for value in stats.values():
+            value["relative"] = relative_difference(value["openai"], value["ours"])
+        updates.append(dict(update=row["update"], stats=stats))
+    largest = [max(s["relative"] for s in u["stats"].values()) for u in updates]
+    return dict(updates=updates, largest_per_update=largest)
+
+
+def stage_update1(out: Path, openai: OpenAI, mpi: bool) -> None:
+    """PPO update 1 on one rollout of OpenAI's, in each of UPDATE1_CONFIGS."""
+    assets = out / "assets"
+    source = out / "update1" / "openai_sampled"
+    openai.run("policy", {"hparams": openai_policy_hparams(assets, 1), "out": str(source)})
+    given = given_rollouts(source, out / "update1" / "given.npz")
+    for ranks, nminibatches in UPDATE1_CONFIGS:
+        if ranks > 1 and not mpi:
+            continue
+        stage = out / "update1" / f"ranks_{ranks}_minibatches_{nminibatches}"
+        comparison = run_policy_pair(openai, stage, given, 1, ranks, nminibatches)
+        print(f"update 1, {ranks} rank(s), {nminibatches} minibatch(es): largest relative difference "
+              f"{comparison['largest_per_update'][0]:.2e}")  # fmt: skip
+    # the control: this project against itself, the same math in another float summation order (2 micro-batches)
+    stage = out / "update1" / "ranks_1_minibatches_1"
+    flags = [*our_policy_flags(assets, 1), "--ppo.gradient-accumulation-steps", "2", "--output-dir",
+             str(stage / "ours_accumulated")]  # fmt: skip
+    run_ours("train_policy_accelerate.py", flags, stage / "ours_accumulated", replay=stage / "replay.npz")
+    plain, accumulated = (next(r for r in read_jsonl(stage / d / "metrics.jsonl") if "objective/kl" in r)
+                          for d in ("ours", "ours_accumulated"))  # fmt: skip
+    control = {key: dict(plain=plain[OUR_NAMES.get(key, key)], accumulated=accumulated[OUR_NAMES.get(key, key)],
+                         relative=relative_difference(plain[OUR_NAMES.get(key, key)],
+                                                      accumulated[OUR_NAMES.get(key, key)]))
+               for key in POLICY_STATS}  # fmt: skip
+    (stage / "control.json").write_text(json.dumps(control, indent=1))
+    print(
+        f"update 1, ours against ours with 2 micro-batches: largest {max(c['relative'] for c in control.values()):.2e}"
+    )
+
+
+def stage_teacher(out: Path, openai: OpenAI, updates: int) -> None:
+    """`updates` updates of OpenAI's free run, each update's rollout given to both sides again."""
+    assets = out / "assets"
+    source = out / "teacher" / "openai_sampled"
+    openai.run("policy", {"hparams": openai_policy_hparams(assets, updates), "out": str(source)})
+    given = given_rollouts(source, out / "teacher" / "given.npz")
+    comparison = run_policy_pair(openai, out / "teacher" / "forced", given, updates, 1, 1)
+    largest = ", ".join(f"{x:.1e}" for x in comparison["largest_per_update"])
+    print(f"teacher-forced, largest relative difference per update: {largest}")
+
+
+def stage_curves(out: Path, openai: OpenAI, seeds: int, updates: int) -> None:
+    """Free-running runs, `seeds` a side: OpenAI's samples with TensorFlow's RNG, ours with torch's."""
+    assets = out / "assets"
+    for seed in range(1, seeds + 1):
+        stage = out / "curves" / f"seed_{seed}"
+        if (
+            not (stage / "openai" / "policy_stats.jsonl").exists()
+            or len(read_jsonl(stage / "openai" / "policy_stats.jsonl")) < updates
+        ):
+            config = {"hparams": openai_policy_hparams(assets, updates, seed), "out": str(stage / "openai"),
+                      "dump_rollouts": False}  # fmt: skip
+            openai.run("policy", config)
+        if not (stage / "ours" / "policy").exists():
+            flags = [*our_policy_flags(assets, updates, seed), "--output-dir", str(stage / "ours")]
+            run_ours("train_policy_accelerate.py", flags, stage / "ours")
+        print(f"curves: seed {seed} of {seeds}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the report
+
+CURVE_STATS = {"objective/score": "score", "objective/kl": "KL (nats)", "objective/kl_coef": "kl_coef",
+               "ppo/policy/approxkl": "approxkl", "ppo/policy/clipfrac": "clip fraction",
+               "ppo/loss/value": "value loss", "objective/entropy": "entropy (nats)"}  # fmt: skip
+LAST_UPDATES = 10  # the curve test compares each seed's mean over its last 10 updates
+
+
+def curves(out: Path) -> dict[str, dict[str, np.ndarray]]:
+    """Per side, per stat: (seeds, updates) of the free-running runs, the stats under OpenAI's names."""
+    sides = {"openai": [], "ours": []}
+    for seed_dir in sorted((out / "curves").glob("seed_*"), key=lambda d: int(d.name.split("_")[1])):
+        openai_rows = read_jsonl(seed_dir / "openai" / "policy_stats.jsonl")
+        our_rows = [r for r in read_jsonl(seed_dir / "ours" / "metrics.jsonl") if "objective/kl" in r]
+        sides["openai"].append({key: [r[key] for r in openai_rows] for key in POLICY_STATS})
+        sides["ours"].append({key: [r[OUR_NAMES.get(key, key)] for r in our_rows] for key in POLICY_STATS})
+    return {side: {key: np.array([run[key] for run in runs]) for key in POLICY_STATS} for side, runs in sides.items()}
+
+
+def permutation_test(a: np.ndarray, b: np.ndarray, draws: int = 20000) -> float:
+    """Two-sided p-value of the difference of means of a and b, by random relabelling (no distribution assumed)."""
+    pooled, observed = np.concatenate([a, b]), abs(a.mean() - b.mean())
+    rng = np.random.RandomState(0)
+    hits = sum(abs(p[: len(a)].mean() - p[len(a) :].mean()) >= observed - 1e-15
+               for p in (rng.permutation(pooled) for _ in range(draws)))  # fmt: skip
+    return (hits + 1) / (draws + 1)
+
+
+def curve_tests(data: dict) -> dict:
+    """Per stat: each seed's mean over the last LAST_UPDATES updates, OpenAI's seeds against ours."""
+    rows = {}
+    for key in CURVE_STATS:
+        a, b = (data[side][key][:, -LAST_UPDATES:].mean(1) for side in ("openai", "ours"))
+        rows[key] = dict(openai_mean=float(a.mean()), openai_std=float(a.std(ddof=1)), ours_mean=float(b.mean()),
+                         ours_std=float(b.std(ddof=1)), p=permutation_test(a, b), openai_range=[float(a.min()),
+                         float(a.max())], ours_seeds=b.tolist(), openai_seeds=a.tolist())  # fmt: skip
+    return rows
+
+
+def plot_curves(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7))
+    for ax, (key, title) in zip(axes.flat, CURVE_STATS.items(), strict=False):
+        for side, color, label in (
+            ("openai", "tab:blue", "OpenAI's code (TF)"),
+            ("ours", "tab:orange", "this project"),
+        ):
+            values = data[side][key]
+            x = np.arange(1, values.shape[1] + 1) * POLICY["batch_size"]
+            ax.plot(x, values.mean(0), color=color, label=f"{label}, mean of {len(values)} seeds")
+            ax.fill_between(x, values.min(0), values.max(0), color=color, alpha=0.2, linewidth=0)
+        ax.set_title(title)
+        ax.set_xlabel("episodes")
+        ax.grid(alpha=0.3)
+    axes.flat[-1].axis("off")
+    axes.flat[0].legend(loc="lower right", fontsize=8)
+    fig.suptitle("Side by side on the tiny task: mean and min-max band over seeds (benchmark/side_by_side.py)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def seconds_per_update(out: Path) -> dict:
+    """Median seconds per update of the free-running runs, the first update of each run excluded (graph warm-up)."""
+    openai, ours = [], []
+    for seed_dir in (out / "curves").glob("seed_*"):
+        openai += [r["harness/seconds"] for r in read_jsonl(seed_dir / "openai" / "policy_stats.jsonl")[1:]]
+        times = [r["elapsed/time"] for r in read_jsonl(seed_dir / "ours" / "metrics.jsonl") if "objective/kl" in r]
+        ours += list(np.diff(times))
+    return dict(
+        openai=float(np.median(openai)), ours=float(np.median(ours)), ratio=float(np.median(openai) / np.median(ours))
+    )
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows])
+
+
+def write_report(out: Path) -> None:
+    """OUT/side_by_side.md and OUT/side_by_side.png from what the stages wrote (a stage not run is left out)."""
+    parts = ["# Side by side with OpenAI's lm-human-preferences (benchmark/side_by_side.py)\n"]
+    for ranks in (1, 2):
+        path = out / "reward" / f"ranks_{ranks}" / "comparison.json"
+        if path.exists():
+            c = json.loads(path.read_text())
+            steps = c["steps"]
+            relative = [relative_difference(s["openai_loss"], s["ours_loss"]) for s in steps]
+            same = sum(s["openai_accuracy"] == s["ours_accuracy"] for s in steps)
+            parts.append(f"## Reward model, {ranks} rank(s)\n\n{len(steps)} steps: loss relative difference "
+                         f"{relative[0]:.1e} at step 1, largest {max(relative):.1e} (step "
+                         f"{int(np.argmax(relative)) + 1}); accuracy equal at {same} of {len(steps)} steps.\n")  # fmt: skip
+            rows = [[r["quantity"], f"{r['openai']:.7g}", f"{r['ours']:.7g}",
+                     f"{relative_difference(r['openai'], r['ours']):.1e}"] for r in c["normalization"]]  # fmt: skip
+            parts.append(markdown_table(["normalization", "OpenAI", "ours", "relative difference"], rows) + "\n")
+    path = out / "reward" / "forward_check" / "comparison.json"
+    if path.exists():
+        c = json.loads(path.read_text())
+        rows = [[key, f"{r['scale']:.3g}", f"{r['max_abs']:.1e}", f"{r['max_relative']:.1e}",
+                 f"{r['openai_vs_float64']:.1e}", f"{r['ours_vs_float64']:.1e}"] for key, r in c["rows"].items()]  # fmt: skip
+        header = ["quantity", "mean abs", "largest abs difference", "largest relative", "OpenAI vs float64",
+                  "ours vs float64"]  # fmt: skip
+        parts.append(f"## Bridges: the same forward on {c['tokens']} response tokens\n\n" + markdown_table(header, rows)
+                     + "\n")  # fmt: skip
+    configs = [
+        (r, m)
+        for r, m in UPDATE1_CONFIGS
+        if (out / "update1" / f"ranks_{r}_minibatches_{m}" / "comparison.json").exists()
+    ]
+    if configs:
+        compared = {cfg: json.loads((out / "update1" / f"ranks_{cfg[0]}_minibatches_{cfg[1]}" / "comparison.json")
+                                    .read_text())["updates"][0]["stats"] for cfg in configs}  # fmt: skip
+        control_path = out / "update1" / "ranks_1_minibatches_1" / "control.json"
+        control = json.loads(control_path.read_text()) if control_path.exists() else {}
+        header = ["stat", "OpenAI (1 rank, 1 minibatch)", "ours", *[f"rel. diff, {r} rank(s) {m} mb" for r, m in configs],
+                  "ours vs ours, 2 micro-batches"]  # fmt: skip
+        rows = [[key, f"{compared[configs[0]][key]['openai']:.7g}", f"{compared[configs[0]][key]['ours']:.7g}",
+                 *[f"{compared[cfg][key]['relative']:.1e}" for cfg in configs],
+                 f"{control[key]['relative']:.1e}" if key in control else ""] for key in POLICY_STATS]  # fmt: skip
+        parts.append("## PPO update 1, the same rollout\n\n" + markdown_table(header, rows) + "\n")
+    path = out / "teacher" / "forced" / "comparison.json"
+    if path.exists():
+        c = json.loads(path.read_text())
+        keys = ("objective/score", "objective/kl", "objective/kl_coef", "ppo/loss/value", "ppo/policy/approxkl")
+        rows = [[u["update"], f"{c['largest_per_update'][i]:.1e}", *[f"{u['stats'][k]['relative']:.1e}" for k in keys]]
+                for i, u in enumerate(c["updates"])]  # fmt: skip
+        parts.append("## Teacher-forced: every update's rollout given to both sides\n\n"
+                     + markdown_table(["update", "largest of the 19 stats", *keys], rows) + "\n")  # fmt: skip
+    if (out / "curves").exists():
+        data = curves(out)
+        plot_curves(data, out / "side_by_side.png")
+        tests = curve_tests(data)
+        rows = [[CURVE_STATS[key], f"{t['openai_mean']:.4g} ± {t['openai_std']:.2g}", f"{t['ours_mean']:.4g} ± "
+                 f"{t['ours_std']:.2g}", f"{t['p']:.2f}"] for key, t in tests.items()]  # fmt: skip
+        speed = seconds_per_update(out)
+        parts.append(f"## Free-running: {len(data['openai'][POLICY_STATS[0]])} seeds a side, last {LAST_UPDATES} "
+                     "updates of each seed\n\n" + markdown_table(["quantity", "OpenAI (mean ± sd over seeds)",
+                     "ours", "permutation test p"], rows) + f"\n\nSeconds per update (median, first excluded): "
+                     f"OpenAI {speed['openai']:.2f}, ours {speed['ours']:.2f}: {speed['ratio']:.1f}x.\n")  # fmt: skip
+        (out / "curve_tests.json").write_text(json.dumps(dict(tests=tests, seconds=speed), indent=1))
+    (out / "side_by_side.md").write_text("\n".join(parts))
+    print(
+        f"side by side: wrote {out / 'side_by_side.md'}"
+        + (" and side_by_side.png" if (out / "curves").exists() else "")
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the reference data of tests/test_openai_reference.py
+
+REFERENCE = REPO / "benchmark" / "openai_reference"
+
+
+def write_reference(out: Path) -> None:
+    """OpenAI's outputs and the inputs both sides were given, small files: what CI compares this project with."""
+    import gzip
+
+    REFERENCE.mkdir(exist_ok=True)
+    (REFERENCE / "labels.json.gz").write_bytes(gzip.compress((out / "assets" / "labels.json").read_bytes(), mtime=0))
+    model = (out / "assets" / "base" / "model.safetensors").read_bytes()
+    import hashlib
+
+    settings = dict(task=TASK, corpus=CORPUS, base_model=BASE_MODEL, labels=LABELS, reward=REWARD, policy=POLICY,
+                    base_model_sha256=hashlib.sha256(model).hexdigest())  # fmt: skip
+    (REFERENCE / "settings.json").write_text(json.dumps(settings, indent=1) + "\n")
+    for ranks in (1, 2):
+        stage = out / "reward" / f"ranks_{ranks}"
+        if (stage / "comparison.json").exists():
+            target = REFERENCE / f"reward_ranks_{ranks}"
+            target.mkdir(exist_ok=True)
+            shutil.copy(stage / "samples.npz", target / "samples.npz")
+            c = json.loads((stage / "comparison.json").read_text())
+            openai = dict(steps=[dict(step=s["step"], loss=s["openai_loss"], accuracy=s["openai_accuracy"]) for s in c["steps"]],
+                          normalization={r["quantity"]: r["openai"] for r in c["normalization"]})  # fmt: skip
+            (target / "openai.json").write_text(json.dumps(openai, indent=1) + "\n")
+    stages = [
+        (f"update1_ranks_{r}_minibatches_{m}", out / "update1" / f"ranks_{r}_minibatches_{m}")
+        for r, m in UPDATE1_CONFIGS
+    ]
+    for name, stage in [*stages, ("teacher", out / "teacher" / "forced")]:
+        if (stage / "comparison.json").exists():
+            target = REFERENCE / name
+            target.mkdir(exist_ok=True)
+            replay = np.load(stage / "replay.npz")
+            np.savez_compressed(target / "replay.npz", queries=replay["queries"].astype(np.int32),
+                                responses=replay["responses"].astype(np.int32), orders=replay["orders"].astype(np.int16))  # fmt: skip
+            c = json.loads((stage / "comparison.json").read_text())
+            rows = [dict(update=u["update"], **{k: v["openai"] for k, v in u["stats"].items()}) for u in c["updates"]]
+            (target / "openai.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    if (out / "curve_tests.json").exists():
+        data = curves(out)
+        for side in ("openai", "ours"):
+            lines = ["seed,update," + ",".join(CURVE_STATS)]
+            for seed in range(len(data[side]["objective/kl"])):
+                for update in range(data[side]["objective/kl"].shape[1]):
+                    values = ",".join(f"{data[side][k][seed, update]:.7g}" for k in CURVE_STATS)
+                    lines.append(f"{seed + 1},{update + 1},{values}")
+            (REFERENCE / f"curves_{side}.csv").write_text("\n".join(lines) + "\n")
+    print(f"side by side: wrote {REFERENCE}")
+
+
+def main(args: Args) -> None:
+    out = Path(args.out)
+    stages = ("report",) if args.report_only else args.stages
+    needs_openai = [stage for stage in stages if stage != "report"]
+    if needs_openai and args.openai_src is None:
+        print(f"side by side: skipped {', '.join(needs_openai)}: no --openai-src (a checkout of "
+              f"openai/lm-human-preferences at {OPENAI_COMMIT[:7]})")  # fmt: skip
+        stages = [stage for stage in stages if stage == "report"]
+    openai = OpenAI(args, out / "assets") if needs_openai and args.openai_src else None
+    for stage in STAGES:
+        if stage not in stages:
+            continue
+        start = time.time()
+        print(f"side by side: {stage} ...", flush=True)
+        if stage == "assets":
+            stage_assets(out, openai)
+        elif stage == "reward":
+            stage_reward(out, openai, args.mpi)
+        elif stage == "update1":
+            stage_update1(out, openai, args.mpi)
+        elif stage == "teacher":
+            stage_teacher(out, openai, args.teacher_updates)
+        elif stage == "curves":
+            stage_curves(out, openai, args.seeds, args.updates)
+        else:
+            write_report(out)
+        print(f"side by side: {stage} done in {time.time() - start:.0f} s", flush=True)
+    if args.write_reference:
+        write_reference(out)
+
+
+if __name__ == "__main__":
+    # the repository's modules, and this folder's as benchmark.NAME: run as a script, this folder would come first on
+    # the path, and its benchmark.py would shadow the package
+    sys.path[:] = [str(REPO)] + [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+    main(tyro.cli(Args))

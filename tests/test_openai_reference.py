@@ -1,0 +1,199 @@
+"""This project against OpenAI's own code, without TensorFlow: the real scripts on the inputs OpenAI's
+lm-human-preferences was given in benchmark/side_by_side.py, compared with what it computed from them
+(benchmark/openai_reference/, written by `side_by_side.py --write-reference`; its README says how).
+
+The tiny task's base model is rebuilt here bit for bit (benchmark/tiny_task.py), the labels and samples are OpenAI's
+inputs as committed, the reward model is trained here by train_reward_accelerate.py exactly as the side-by-side
+trained the one both sides' PPO read. Tolerances: a few times the largest difference measured in the side-by-side,
+which comes from float32 rounding (TensorFlow's kernels against torch's, amplified by Adam's normalized steps: this
+project against itself with the same math in another summation order differs by as much; docs/side-by-side.md)."""
+
+import gzip
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, read_jsonl, run_script
+
+from benchmark import side_by_side as S
+from benchmark.openai_bridge import reward_model_arrays, reward_model_from_openai, trunk_from_openai, trunk_to_openai
+from benchmark.tiny_task import synthetic_sentences, write_tiny_gpt2
+
+REFERENCE = REPO / "benchmark" / "openai_reference"
+SETTINGS = json.loads((REFERENCE / "settings.json").read_text())
+
+REWARD_RTOL = 2e-3  # every step's loss, the normalizations (measured: <= 2.1e-4 on 1 rank, 1.0e-4 on 2)
+UPDATE1_RTOL, UPDATE1_ATOL = 2e-3, 1e-6  # every stat of update 1 (measured: <= 2.0e-4, in ppo/policy/approxkl)
+TEACHER_RTOL, TEACHER_ATOL = 1e-2, 1e-5  # each of 12 teacher-forced updates (measured: <= 1.2e-3)
+CURVE_Z = 4.0  # the free-running test: |our mean - OpenAI's| in standard errors (a real defect moves it by far more)
+OUR_SEEDS = 2  # free-running seeds run here (of the 10 a side in the side-by-side)
+
+
+def test_the_reference_was_made_with_the_harness_settings():
+    """The committed data and benchmark/side_by_side.py describe the same task (a change to one needs the other)."""
+    assert SETTINGS["task"] == S.TASK and SETTINGS["corpus"] == S.CORPUS and SETTINGS["base_model"] == S.BASE_MODEL
+    assert SETTINGS["labels"] == S.LABELS and SETTINGS["reward"] == S.REWARD and SETTINGS["policy"] == S.POLICY
+
+
+@pytest.fixture(scope="module")
+def assets(gpt2_tokenizer_dir, tmp_path_factory) -> Path:
+    """The side-by-side's assets/ as OpenAI saw them: tokenizer, corpus, base model (rebuilt), labels (committed)."""
+    root = tmp_path_factory.mktemp("side_by_side") / "assets"
+    shutil.copytree(gpt2_tokenizer_dir, root / "tokenizer")
+    corpus = synthetic_sentences(S.CORPUS["lines"], S.CORPUS["seed"])
+    (root / "corpus.txt").write_text("\n".join(corpus) + "\n")
+    write_tiny_gpt2(root / "base", root / "tokenizer", corpus, **S.BASE_MODEL)
+    (root / "labels.json").write_bytes(gzip.decompress((REFERENCE / "labels.json.gz").read_bytes()))
+    return root
+
+
+def test_the_base_model_is_rebuilt_bit_for_bit(assets):
+    """The weights OpenAI's code started from, rebuilt on this machine (float64 training, rounded to float32)."""
+    digest = hashlib.sha256((assets / "base" / "model.safetensors").read_bytes()).hexdigest()
+    assert digest == SETTINGS["base_model_sha256"]
+
+
+def run_reward(assets: Path, ranks: int, out: Path):
+    flags = [*S.our_reward_flags(assets), "--output-dir", str(out)]
+    samples = REFERENCE / f"reward_ranks_{ranks}" / "samples.npz"
+    result = run_script("benchmark/replay.py", "train_reward_accelerate.py", str(samples), *flags, nproc=ranks)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_jsonl(out / "metrics.jsonl")
+
+
+@pytest.fixture(scope="module")
+def reward_rows(assets) -> list[dict]:
+    """train_reward_accelerate.py on OpenAI's inputs (1 rank); its reward model is the one PPO reads below."""
+    rows = run_reward(assets, 1, assets.parent / "reward")
+    shutil.copytree(assets.parent / "reward" / "reward_model", assets / "reward_model")
+    return rows
+
+
+def check_reward(rows: list[dict], ranks: int) -> None:
+    openai = json.loads((REFERENCE / f"reward_ranks_{ranks}" / "openai.json").read_text())
+    ours = {row["step"]: row for row in rows if "train/loss" in row}
+    assert len(ours) == len(openai["steps"]) == S.LABELS["num_train"] // S.REWARD["batch_size"]
+    for step in openai["steps"]:
+        mine = ours[step["step"]]
+        assert mine["train/loss"] == pytest.approx(step["loss"], rel=REWARD_RTOL), step
+        assert abs(mine["train/accuracy"] - step["accuracy"]) <= 1 / S.REWARD["batch_size"], step  # one label at most
+    for phase in ("before", "after"):
+        row = next(r for r in rows if f"normalization/{phase}/mean" in r)
+        mean, std = row[f"normalization/{phase}/mean"], row[f"normalization/{phase}/std"]
+        for key, value in dict(mean=mean, std=std, gain=1 / std, bias=-mean / std).items():
+            assert value == pytest.approx(openai["normalization"][f"{phase}/{key}"], rel=REWARD_RTOL), (phase, key)
+
+
+def test_reward_model_training_matches_openai_one_rank(reward_rows):
+    check_reward(reward_rows, 1)
+
+
+def test_reward_model_training_matches_openai_two_ranks(assets, tmp_path):
+    check_reward(run_reward(assets, 2, tmp_path / "reward"), 2)
+
+
+def run_policy(assets: Path, name: str, updates: int, ranks: int, nminibatches: int, out: Path) -> dict[int, dict]:
+    flags = [*S.our_policy_flags(assets, updates, nminibatches=nminibatches, ranks=ranks), "--output-dir", str(out)]
+    replay = REFERENCE / name / "replay.npz"
+    result = run_script("benchmark/replay.py", "train_policy_accelerate.py", str(replay), *flags, nproc=ranks)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {row["update"]: row for row in read_jsonl(out / "metrics.jsonl") if "objective/kl" in row}
+
+
+def check_policy(ours: dict[int, dict], name: str, rtol: float, atol: float) -> None:
+    openai = read_jsonl(REFERENCE / name / "openai.jsonl")
+    assert sorted(ours) == [row["update"] for row in openai]
+    for row in openai:
+        for key in S.POLICY_STATS:
+            mine = ours[row["update"]][S.OUR_NAMES.get(key, key)]
+            assert mine == pytest.approx(row[key], rel=rtol, abs=atol), (row["update"], key)
+
+
+@pytest.mark.parametrize(("ranks", "nminibatches"), S.UPDATE1_CONFIGS)
+def test_ppo_update_1_matches_openai(assets, reward_rows, ranks, nminibatches, tmp_path):
+    """Every stat OpenAI logs at update 1, on the same rollout (and, with 2 minibatches, OpenAI's permutations)."""
+    name = f"update1_ranks_{ranks}_minibatches_{nminibatches}"
+    check_policy(
+        run_policy(assets, name, 1, ranks, nminibatches, tmp_path / "policy"), name, UPDATE1_RTOL, UPDATE1_ATOL
+    )
+
+
+def test_teacher_forced_updates_match_openai(assets, reward_rows, tmp_path):
+    """12 updates, each on OpenAI's rollout of that update: the lr schedule, Adam's state and the KL controller."""
+    updates = len(read_jsonl(REFERENCE / "teacher" / "openai.jsonl"))
+    ours = run_policy(assets, "teacher", updates, 1, 1, tmp_path / "policy")
+    check_policy(ours, "teacher", TEACHER_RTOL, TEACHER_ATOL)
+
+
+def read_curves(path: Path) -> dict[str, np.ndarray]:
+    """(seeds, updates) per stat of a committed curves CSV."""
+    lines = path.read_text().splitlines()
+    header, table = lines[0].split(","), np.array([[float(x) for x in line.split(",")] for line in lines[1:]])
+    seeds, updates = int(table[:, 0].max()), int(table[:, 1].max())
+    return {key: table[:, i].reshape(seeds, updates) for i, key in enumerate(header) if i >= 2}
+
+
+def test_free_running_curves_agree_with_openais_seeds(assets, reward_rows, tmp_path):
+    """OUR_SEEDS free-running runs here against OpenAI's 10: for every curve quantity, the mean of our seeds' last 10
+    updates lies within CURVE_Z standard errors of OpenAI's seeds (a sign error in the advantages, a KL on the
+    wrong side, a broken controller move it by tens of them)."""
+    openai = read_curves(REFERENCE / "curves_openai.csv")
+    updates = openai["objective/kl"].shape[1]
+    ours = {key: [] for key in S.CURVE_STATS}
+    for seed in range(1, OUR_SEEDS + 1):
+        flags = [*S.our_policy_flags(assets, updates, seed), "--output-dir", str(tmp_path / f"seed_{seed}")]
+        result = run_script("train_policy_accelerate.py", *flags)
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows = [row for row in read_jsonl(tmp_path / f"seed_{seed}" / "metrics.jsonl") if "objective/kl" in row]
+        for key in S.CURVE_STATS:
+            ours[key].append(np.mean([row[S.OUR_NAMES.get(key, key)] for row in rows[-S.LAST_UPDATES :]]))
+    for key in S.CURVE_STATS:
+        theirs = openai[key][:, -S.LAST_UPDATES :].mean(1)
+        error = theirs.std(ddof=1) * np.sqrt(1 / len(theirs) + 1 / OUR_SEEDS)
+        assert abs(np.mean(ours[key]) - theirs.mean()) <= CURVE_Z * error, (key, ours[key], theirs.tolist())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the bridges and the harness, without OpenAI's code
+
+
+def test_bridges_round_trip_the_weights(reward_rows, assets, tmp_path):
+    """A reward_model/ directory in OpenAI's names and back scores the same tokens identically; OpenAI's shapes
+    (Conv1D weights [1, nx, nf], scalar heads (d,) and ())."""
+    import train_policy_accelerate as P
+
+    hparams, arrays = reward_model_arrays(assets / "reward_model")
+    assert arrays["reward_model/model/h0/attn/c_attn/w"].shape == (1, 64, 192)
+    assert (
+        arrays["reward_model/model/heads/reward/w"].shape == (64,)
+        and arrays["reward_model/reward_norm/gain"].shape == ()
+    )
+    assert hparams == dict(n_vocab=50257, n_ctx=256, n_embd=64, n_head=4, n_layer=2)
+    trunk = trunk_from_openai(arrays, 2, "reward_model/model")
+    again = trunk_to_openai(trunk, 2, "reward_model/model")
+    assert all(np.array_equal(again[k], arrays[k]) for k in again)
+    copy = reward_model_from_openai(arrays, assets / "reward_model", tmp_path / "copy")
+    tokens = torch.randint(0, 50257, (4, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        scores = [P.load_reward_model(str(d))(tokens) for d in (assets / "reward_model", copy)]
+    assert torch.equal(scores[0], scores[1]) and scores[0].std() > 0
+
+
+def test_harness_without_openai_src_skips_with_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    command = [sys.executable, str(REPO / "benchmark" / "side_by_side.py"), "--out", str(tmp_path / "sbs"),
+               "--stages", "assets", "reward"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0 and result.stderr == ""
+    assert result.stdout.splitlines()[0] == (
+        "side by side: skipped assets, reward: no --openai-src (a checkout of openai/lm-human-preferences at cbfd210)"
+    )
+    wrong = subprocess.run([*command, "--openai-src", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert wrong.returncode != 0 and "Traceback" not in wrong.stderr
+    assert wrong.stderr.strip().splitlines()[-1].startswith(f"error: --openai-src {tmp_path}: expected commit cbfd210")
