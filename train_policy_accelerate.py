@@ -803,11 +803,11 @@ def share_moments(returns: torch.Tensor, values: torch.Tensor) -> dict:
     return stats
 
 
-def update_stats(accelerator, run, update: int, stats: dict, rollout: tuple, kl_coef: float, lr: float, args) -> dict:
+def update_stats(accelerator, run, update: int, stats: dict, kl_coef: float, lr: float, args, *, kl, scores,
+                 non_score_reward, logprobs) -> dict:  # fmt: skip
     """The update's metrics (OAI record_step_stats), each averaged over all micro-batches and processes in one
-    collective; stops the run, saying where, if a loss is not finite. rollout: (kl, scores, non_score_reward,
-    logprobs)."""
-    kl, scores, non_score_reward, logprobs = rollout
+    collective, from the PPO epochs' `stats` and the rollout's tensors (by name: kl and non_score_reward have one
+    shape); stops the run, saying where, if a loss is not finite."""
     rollout_stats = {
         "objective/kl": kl.sum(1).mean(),
         "objective/entropy": (-logprobs).sum(1).mean(),
@@ -826,12 +826,15 @@ def update_stats(accelerator, run, update: int, stats: dict, rollout: tuple, kl_
     return row
 
 
-def log_update(run, accelerator, policy, tokenizer, update: int, row: dict, samples: tuple, args) -> None:
+def log_update(run, accelerator, policy, tokenizer, update: int, row: dict, args, *, queries, responses, scores, kl,
+               non_score_reward) -> None:  # fmt: skip
     """One metrics row (metrics.jsonl, TensorBoard, wandb); every --print-sample-output-freq updates (and the first
-    and last) a table of samples and a progress line. samples: (queries, post-processed responses, scores, kl,
-    non_score_reward)."""
+    and last) a table of samples (the queries, post-processed responses and their scores, KL, total reward) and a
+    progress line."""
     if update % args.print_sample_output_freq == 0 or update == 1 or update == args.num_updates:
-        queries, responses, scores, kl, non_score_reward = (x[:SAMPLE_ROWS] for x in samples)
+        queries, responses, scores, kl, non_score_reward = (
+            x[:SAMPLE_ROWS] for x in (queries, responses, scores, kl, non_score_reward)
+        )
         table = {
             "query": decode(tokenizer, queries),
             "response": decode(tokenizer, responses),
@@ -892,26 +895,26 @@ def held_out_texts(args: Args) -> tuple[list[str], frozenset[str]]:
 
 @torch.no_grad()
 def evaluate_gold(
-    accelerator, policy, ref_lm, reward_model, eval_queries, eval_contexts, cut_token_id, tokenizer, args
-):
-    """Held-out evaluation: the same queries and sampling seed every time; the learned reward model's score
-    (eval/rm_score, penalty applied) next to the simulated labeler's (eval/gold_score) on the post-processed text.
-    Returns the metrics and every sample (query index, texts, scores, KL)."""
+    run, accelerator, policy, ref_lm, reward_model, held_out: tuple, tokenizer, update: int, args
+) -> dict:
+    """Held-out evaluation at `update`: the same queries (`held_out`: their queries and contexts) and sampling seed
+    every time; the learned reward model's score (eval/rm_score, penalty applied) next to the simulated labeler's
+    (eval/gold_score) on the post-processed text, and the KL. Every sample goes to eval_samples.jsonl."""
     rows = slice(accelerator.process_index, None, accelerator.num_processes)
     queries, contexts = (x[rows].repeat_interleave(args.eval_samples_per_query, 0).to(accelerator.device)
-                         for x in (eval_queries, eval_contexts))  # fmt: skip
-    devices = [accelerator.device] if accelerator.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(EVAL_SEED + accelerator.process_index)
-        responses = generate_responses(policy.lm, contexts, tokenizer.pad_token_id, args)
-    query_responses = torch.cat([contexts, responses], 1)
-    logprobs, ref_logprobs, _ = rollout_logprobs(
-        policy, ref_lm, query_responses, contexts.shape[1], tokenizer.pad_token_id, args
-    )
-    postprocessed, scores = score_responses(reward_model, queries, responses, cut_token_id, args)
+                         for x in held_out)  # fmt: skip
+    pad_id, devices = tokenizer.pad_token_id, [accelerator.device] if accelerator.device.type == "cuda" else []
+    with accelerator.autocast():
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(EVAL_SEED + accelerator.process_index)
+            responses = generate_responses(policy.lm, contexts, pad_id, args)
+        query_responses = torch.cat([contexts, responses], 1)
+        logprobs, ref_logprobs, _ = rollout_logprobs(policy, ref_lm, query_responses, contexts.shape[1], pad_id, args)
+        cut_token_id = truncate_token_id(tokenizer, args.task)
+        postprocessed, scores = score_responses(reward_model, queries, responses, cut_token_id, args)
     texts = decode(tokenizer, postprocessed)
     gold = simulated_labeler_scores(args.task.gold_labeler, texts)
-    query_ids = torch.arange(len(eval_queries))[rows].repeat_interleave(args.eval_samples_per_query).tolist()
+    query_ids = torch.arange(len(held_out[0]))[rows].repeat_interleave(args.eval_samples_per_query).tolist()
     kl = (logprobs - ref_logprobs).sum(1).tolist()
     columns = zip(query_ids, decode(tokenizer, queries), texts, gold, scores.tolist(), kl, strict=True)
     samples = gather_object(
@@ -920,7 +923,22 @@ def evaluate_gold(
     metrics = {
         f"eval/{key}": float(np.mean([sample[key] for sample in samples])) for key in ("gold_score", "rm_score", "kl")
     }
-    return metrics, samples
+    run.append_jsonl("eval_samples.jsonl", [dict(update=update, **sample) for sample in samples])
+    run.print(f"update {update}: " + ", ".join(f"{key} {value:.4f}" for key, value in metrics.items()))
+    return metrics
+
+
+def load_models(args: Args, device) -> tuple[PolicyAndValueWrapper, nn.Module, RewardModel]:
+    """The policy (the base model with a value head), the frozen reference policy (the same base model) and the
+    frozen reward model; the last two on `device` (accelerator.prepare places the policy)."""
+    torch.manual_seed(args.seed)  # the value head's init: random only with --no-zero-value-head
+    policy = PolicyAndValueWrapper(load_pretrained(AutoModelForCausalLM, args.base_model, "--base-model"),
+                                   args.zero_value_head)  # fmt: skip
+    if args.gradient_checkpointing:
+        run_utils.enable_gradient_checkpointing(policy.lm)
+    ref_lm = load_pretrained(AutoModelForCausalLM, args.base_model, "--base-model").to(device).eval()
+    reward_model = load_reward_model(args.rewards.trained_model).to(device).eval()
+    return policy, ref_lm.requires_grad_(False), reward_model.requires_grad_(False)
 
 
 def save_policy(policy: PolicyAndValueWrapper, directory: Path, base_model: str) -> None:
@@ -955,23 +973,16 @@ def main(args: Args) -> None:
         return
     run_utils.setup_device(accelerator, args.allow_tf32)
     device = accelerator.device
-    torch.manual_seed(args.seed)  # the value head's init: random only with --no-zero-value-head
-    lm = load_pretrained(AutoModelForCausalLM, args.base_model, "--base-model")
-    policy = PolicyAndValueWrapper(lm, args.zero_value_head)
-    ref_lm = load_pretrained(AutoModelForCausalLM, args.base_model, "--base-model").to(device).eval()
-    ref_lm.requires_grad_(False)
-    reward_model = load_reward_model(args.rewards.trained_model).to(device).eval().requires_grad_(False)
-    if args.gradient_checkpointing:
-        run_utils.enable_gradient_checkpointing(policy.lm)
+    policy, ref_lm, reward_model = load_models(args, device)
     optimizer = make_optimizer(policy.parameters(), ppo.lr, ppo.eps, args.use_tensorflow_adam)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     unwrapped = accelerator.unwrap_model(policy)
     train_forward = torch.compile(policy) if args.compile else policy  # fixed shapes: compiled once
     # detail: different seeds for different processes — seed + rank * 100003 (OAI utils/core.py set_mpi_seed)
     torch.manual_seed(args.seed + accelerator.process_index * RANK_SEED_STRIDE)
-    held_out = frozenset()
-    if task.gold_labeler is not None:
-        eval_queries, eval_contexts, held_out = held_out_queries(texts, tokenizer, task, args.eval_queries)
+    eval_set, held_out = None, frozenset()
+    if task.gold_labeler is not None:  # held-out queries (and contexts), kept out of training
+        *eval_set, held_out = held_out_queries(texts, tokenizer, task, args.eval_queries)
     rank, processes = accelerator.process_index, accelerator.num_processes
     stream = QueryStream(texts, tokenizer, task, pad_id, args.seed, rank, processes, exclude=held_out)
     kl_ctl = FixedKLController(args.rewards.kl_coef)
@@ -981,19 +992,10 @@ def main(args: Args) -> None:
     if state is not None:
         stream.load_state(state["process"]["stream"])
         kl_ctl.value = state["kl_coef"]
-
-    def gold_evaluation(update: int) -> dict:
-        with accelerator.autocast():
-            metrics, samples = evaluate_gold(
-                accelerator, unwrapped, ref_lm, reward_model, eval_queries, eval_contexts, cut_token_id, tokenizer, args
-            )
-        run.append_jsonl("eval_samples.jsonl", [dict(update=update, **sample) for sample in samples])
-        run.print(f"update {update}: " + ", ".join(f"{key} {value:.4f}" for key, value in metrics.items()))
-        return metrics
-
     initial_eval, last_eval = (state["initial_eval"], state["last_eval"]) if state is not None else ({}, {})
     if state is None and task.gold_labeler is not None:  # update 0: the pretrained policy, the "before" point
-        initial_eval = last_eval = gold_evaluation(0)
+        initial_eval = last_eval = evaluate_gold(run, accelerator, unwrapped, ref_lm, reward_model, eval_set, tokenizer,
+                                                 0, args)  # fmt: skip
         run.log({"update": 0, "episode": 0, **initial_eval}, 0)
     for update in run.progress(range(run.start_step + 1, args.num_updates + 1), "PPO"):
         update_start, timer = time.perf_counter(), run_utils.PhaseTimer(device)
@@ -1009,9 +1011,8 @@ def main(args: Args) -> None:
             responses = generate_responses(unwrapped.lm, contexts, pad_id, args)
             timer("time/generation")
             query_responses = torch.cat([contexts, responses], 1)  # (B, C' + T)
-            logprobs, ref_logprobs, values = rollout_logprobs(
-                unwrapped, ref_lm, query_responses, contexts.shape[1], pad_id, args
-            )
+            logprobs, ref_logprobs, values = rollout_logprobs(unwrapped, ref_lm, query_responses, contexts.shape[1],
+                                                              pad_id, args)  # fmt: skip
             timer("time/logprobs")
             # 2. post-process responses and score them: truncation after the truncate token, and the penalty score
             # for a response without one after truncate_after
@@ -1046,24 +1047,24 @@ def main(args: Args) -> None:
         policy.eval()
         timer("time/ppo_epochs")
         # 5. statistics: every metric averaged over all micro-batches and processes in one collective; the timing
-        row = update_stats(accelerator, run, update, stats, (kl, scores, non_score_reward, logprobs), kl_coef, lr, args)
+        row = update_stats(accelerator, run, update, stats, kl_coef, lr, args, kl=kl, scores=scores,
+                           non_score_reward=non_score_reward, logprobs=logprobs)  # fmt: skip
         row.update(timing_stats(run, unwrapped, timer, update_start, contexts, update, args))
         # 6. adaptive KL: kl_coef moves towards the KL target, from this update's KL averaged over all processes
         kl_ctl.update(row["objective/kl"], ppo.batch_size)
         # 7. log: the metrics, every --eval-every updates the gold evaluation, every few updates a sample table
         if task.gold_labeler is not None and (update % args.eval_every == 0 or update == args.num_updates):
-            row.update(last_eval := gold_evaluation(update))
-        samples = (queries, postprocessed_responses, scores, kl, non_score_reward)
-        log_update(run, accelerator, policy, tokenizer, update, row, samples, args)
+            last_eval = evaluate_gold(
+                run, accelerator, unwrapped, ref_lm, reward_model, eval_set, tokenizer, update, args
+            )
+            row.update(last_eval)
+        log_update(run, accelerator, policy, tokenizer, update, row, args, queries=queries,
+                   responses=postprocessed_responses, scores=scores, kl=kl, non_score_reward=non_score_reward)  # fmt: skip
         # 8. checkpoint: every --checkpoint-every updates, and on SIGTERM / Ctrl-C, after which the run stops
         run_state = {"kl_coef": kl_ctl.value, "initial_eval": initial_eval, "last_eval": last_eval}
         run.checkpoint_if_due(update, run_state, {"stream": stream.state()})
     if initial_eval:
-        before, after = initial_eval, last_eval
-        run.print(
-            f"gold score {before['eval/gold_score']:.4f} -> {after['eval/gold_score']:.4f}, rm score "
-            f"{before['eval/rm_score']:.4f} -> {after['eval/rm_score']:.4f}, kl {after['eval/kl']:.3f}"
-        )
+        run.print(", ".join(f"{key} {initial_eval[key]:.4f} -> {last_eval[key]:.4f}" for key in initial_eval))
     # 9. save
     run.save_result(lambda directory: save_policy(unwrapped, directory, args.base_model))
     run.close()

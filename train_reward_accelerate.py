@@ -13,7 +13,7 @@ Launch (batch sizes are global: the same flags give the same optimization on any
     python train_reward_accelerate.py --base-model DIR --task.query-dataset corpus.txt --labels.source sentiment \\
         --labels.num-train 64 --labels.simulated-num-test 32 --batch-size 8 --rollout-batch-size 16 \\
         --normalize-samples 16                                                            # CPU, no Hub: a smoke run
-Reading order: `main` at the bottom (phases 1-5), then the helpers it calls, which sit above it in the order of use.
+Reading order: `main` at the bottom (phases 1-6), then the helpers it calls, which sit above it in the order of use.
 Outputs in --output-dir: args.json, metrics.jsonl, TensorBoard events, reward_model/ (read by
 train_policy_accelerate.py via --rewards.trained-model) and labels.json when the labels are simulated.
 """
@@ -722,7 +722,9 @@ def main(args: Args) -> None:
         texts, tokenizer, task, pad_id, args.seed, accelerator.process_index, accelerator.num_processes
     )
     reward_model.to(accelerator.device)
-    if args.labels.source != "file":  # simulated labels, made once: a resumed run reads what its first attempt made
+    # 1. labels: from --label-dataset (read before any model loaded), or simulated here, made once (a resumed run
+    # reads what its first attempt made)
+    if args.labels.source != "file":
         label_path = run.output_dir / "labels.json"
         if run.checkpoint is None:
             with accelerator.autocast():
@@ -732,7 +734,7 @@ def main(args: Args) -> None:
             run.discard_partial("labels")
         accelerator.wait_for_everyone()
         labels = load_labels(str(label_path), tokenizer, args)
-    # 1. normalize before (before the optimizer holds the weights: DeepSpeed's fp32 copy then starts from gain and bias)
+    # 2. normalize before (before the optimizer holds the weights: DeepSpeed's fp32 copy then starts from gain and bias)
     if run.checkpoint is None and args.normalize_before:
         run.log({"step": 0, **normalize_reward(accelerator, ref_lm, reward_model, query_stream, args, "before")}, 0)
     optimizer = make_optimizer(reward_model.parameters(), args.lr, args.eps, args.use_tensorflow_adam)
@@ -753,7 +755,7 @@ def main(args: Args) -> None:
     unwrapped, rank = accelerator.unwrap_model(reward_model), accelerator.process_index
     trunk_params = run_utils.trunk_parameters(unwrapped.backbone)
 
-    # 2. train: one epoch over the label records, in the shared order
+    # 3. train: one epoch over the label records, in the shared order
     reward_model.train()
     for step in run.progress(range(run.start_step + 1, args.num_updates + 1), "training reward model"):
         lr = linear_lr(args.lr, step - 1, args.num_updates)  # per step, k = 0 .. N - 1
@@ -776,7 +778,7 @@ def main(args: Args) -> None:
         row = {"step": step, **run_utils.reduce_metrics(accelerator, means)}  # over all processes
         run.stop_if_not_finite(row, step, run_utils.first_non_finite(stats, {"micro-batch": len(stats)}, rank))
         row.update({"train/lr": lr, **timing_stats(run, trunk_params, step_start, args)})
-        # 3. evaluate on the held-out labels, and show what the reward model thinks of some samples
+        # 4. evaluate on the held-out labels, and show what the reward model thinks of some samples
         if step % args.print_sample_output_freq == 0 or step == args.num_updates:
             evaluation_start = time.perf_counter()
             if num_test:
@@ -794,12 +796,12 @@ def main(args: Args) -> None:
         run.log(row, step)
         run.checkpoint_if_due(step, {}, {"stream": query_stream.state()})  # and on SIGTERM / Ctrl-C
     reward_model.eval()
-    # 4. normalize after
+    # 5. normalize after
     row = {"step": args.num_updates}
     if args.normalize_after:
         row.update(normalize_reward(accelerator, ref_lm, reward_model, query_stream, args, "after"))
     run.log({**row, "sync/param_spread": run_utils.parameter_spread(accelerator, reward_model)}, args.num_updates)
-    # 5. save
+    # 6. save
     run.save_result(lambda directory: save_reward_model(unwrapped, directory, tokenizer, args.base_model))
     run.close()
 

@@ -104,7 +104,7 @@ class OpenAI:
                             "OAI_QUERIES": str(assets / "corpus.txt"), "TF_ENABLE_ONEDNN_OPTS": "0",
                             "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONWARNINGS": "ignore"}  # fmt: skip
 
-    def run(self, command: str, config: dict, ranks: int = 1) -> float:
+    def run(self, command: str, config: dict, ranks: int = 1, query_seed: int = 0) -> float:
         """run_openai.py COMMAND with `config` (written to config["out"]/config.json); returns the wall seconds."""
         out = Path(config["out"])
         out.mkdir(parents=True, exist_ok=True)
@@ -114,7 +114,8 @@ class OpenAI:
             line = [self.python, *script]
         else:
             line = [str(Path(self.python).parent / "mpiexec"), "-n", str(ranks), self.python, *script]
-        environment = {**self.environment, **({"OAI_MPI": "real", "OMP_NUM_THREADS": "1"} if ranks > 1 else {})}
+        environment = {**self.environment, "OAI_QUERY_SEED": str(query_seed),
+                       **({"OAI_MPI": "real", "OMP_NUM_THREADS": "1"} if ranks > 1 else {})}  # fmt: skip
         return run_logged(line, out / "log.txt", environment)
 
     def write_checkpoint(self, arrays: dict, prefix: Path) -> None:
@@ -507,7 +508,7 @@ def stage_curves(out: Path, openai: OpenAI, seeds: int, updates: int) -> None:
         ):
             config = {"hparams": openai_policy_hparams(assets, updates, seed), "out": str(stage / "openai"),
                       "dump_rollouts": False}  # fmt: skip
-            openai.run("policy", config)
+            openai.run("policy", config, query_seed=seed)  # each seed its own query order, as ours
         if not (stage / "ours" / "policy").exists():
             flags = [*our_policy_flags(assets, updates, seed), "--output-dir", str(stage / "ours")]
             run_ours("train_policy_accelerate.py", flags, stage / "ours")

@@ -93,11 +93,13 @@ encodings.Main.bpe_path = os.path.join(os.environ["OAI_TOKENIZER"], "merges.txt"
 
 
 def side_by_side_texts(mode, seed=0, shuffle=False, comm=None):
-    """The query texts, registered in OpenAI's own dataset registry, shuffled as its books generator shuffles."""
+    """The query texts, registered in OpenAI's own dataset registry, shuffled as its books generator shuffles. OpenAI
+    asks for seed 0 whatever run.seed is (lm_tasks.py make_query_sampler), so every seed would see the same queries:
+    OAI_QUERY_SEED, when set, is added to it (the free-running seeds, so that their query orders differ as ours do)."""
     with open(os.environ["OAI_QUERIES"]) as file:
         texts = [line.strip() for line in file if line.strip()]
     if shuffle:
-        random.seed(seed)
+        random.seed(seed + int(os.environ.get("OAI_QUERY_SEED", "0")))
         random.shuffle(texts)
     yield from texts
 
