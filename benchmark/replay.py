@@ -90,7 +90,9 @@ def install(script, replay: Replay, orders=None) -> None:
             calls.append(1)
             rows = torch.arange(batch_size, device=device).view(shares, -1)  # (G, B/G): this process's shares
             first = replay.rank * shares  # this process's shares are OpenAI's ranks first ... first + G - 1
-            permutations = torch.as_tensor(orders[update, first : first + shares, epoch], device=device)
+            permutations = torch.as_tensor(
+                orders[update, first : first + shares, epoch], dtype=torch.int64, device=device
+            )
             return torch.gather(rows, 1, permutations).chunk(nminibatches, dim=1)
 
         script.minibatches = replayed_minibatches
