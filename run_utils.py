@@ -31,6 +31,7 @@ from accelerate.utils import gather_object
 from rich.console import Console
 from rich.progress import track
 from rich.table import Table
+from rich.text import Text
 
 CHECKPOINT_FORMAT = 2  # 2: accelerate's save_state layout (1, before it: model.pt / optimizer.pt / processes.pt)
 RUN_LOGS = ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl")  # copied into each checkpoint
@@ -550,7 +551,7 @@ class Run:
     # -- logs ----------------------------------------------------------------------------------------------------------
     def print(self, text: str) -> None:
         if self.main:
-            self.console.print(text, highlight=False, soft_wrap=True)
+            self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
     def log(self, row: dict, step: int) -> None:
         """One row of metrics.jsonl (flushed), the same values to TensorBoard and wandb."""
@@ -585,7 +586,7 @@ class Run:
         for column in columns:
             table.add_column(column)
         for row in cells:
-            table.add_row(*row)
+            table.add_row(*map(Text, row))  # Text: a sample's "[/...]" is text, not rich markup
         self.console.print(table)
         if self.tensorboard is not None:
             lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]

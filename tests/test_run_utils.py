@@ -124,6 +124,17 @@ def test_tensorboard_gets_the_metrics_and_the_sample_tables(tmp_path):
                                                                      "response": " world.", "score": 0.25}  # fmt: skip
 
 
+def test_sample_tables_and_printed_lines_are_text_not_rich_markup(tmp_path, capsys):
+    """A generated sample holding "[/...]" once crashed the run (rich read it as a closing tag); "[bold]" vanished."""
+    args = train_policy_accelerate.Args(output_dir=str(tmp_path), run_name="r")
+    run = run_utils.Run(args, FakeAccelerator(), "policy", set(), step_name="update")
+    run.samples("samples.jsonl", 1, {"query": ["a [/b] c"], "response": ["[bold]d"], "score": [0.5]})
+    run.print("eval [/x] and [red]y")
+    run.close()
+    out = capsys.readouterr().out
+    assert "a [/b] c" in out and "[bold]d" in out and "eval [/x] and [red]y" in out
+
+
 def test_reduce_metrics_means_and_spreads():
     class TwoProcesses(FakeAccelerator):
         def gather(self, tensor):  # process 1 has 3 more of everything
