@@ -53,8 +53,8 @@ class AdaptiveKLParams:
 
 @dataclass
 class RewardHParams:
-    trained_model: Optional[str] = None
-    """reward model directory written by train_reward_accelerate.py (OUTPUT_DIR/reward_model); required"""
+    trained_model: str = tyro.MISSING
+    """reward model directory written by train_reward_accelerate.py (OUTPUT_DIR/reward_model)"""
     kl_coef: float = 0.15
     """initial coefficient of the per-token KL penalty, beta"""
     use_adaptive_kl: bool = True
@@ -221,12 +221,11 @@ def task_defaults(name: Optional[str] = None) -> Args:
 NEVER_SAMPLED_LOGIT = -1e9  # the pad id's logit: exp() of it is exactly 0 in fp32, and (unlike -inf) 0 * it is 0
 
 
-def load_tokenizer(name_or_path: str, flag: str):
+def load_tokenizer(name_or_path: str):
     """The base model's tokenizer with a pad token distinct from EOS, so the policy stays free to emit EOS."""
     # detail: pad token — GPT-2 has none; we add `[PAD]`, id 50257, one past the vocabulary, as OAI padded with an id
     # outside it (language/encodings.py). The embedding is not resized: pads become 0 before every forward.
-    with run_utils.flag_errors(flag, name_or_path, "cannot load a tokenizer"):
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
     return tokenizer
@@ -240,23 +239,21 @@ def truncate_token_id(tokenizer, task) -> int:
     return ids[0]
 
 
-def config_without_dropout(name_or_path: str, flag: str):
+def config_without_dropout(name_or_path: str):
     """The model's config with every dropout probability set to 0."""
     # detail: dropout disabled — OAI trains without dropout (policy.py do_dropout=False); eval mode alone would leave
     # it on in the PPO forward passes, making the ratio at the first minibatch != 1
-    with run_utils.flag_errors(flag, name_or_path, "not a model directory or Hub id"):
-        config = AutoConfig.from_pretrained(name_or_path)
+    config = AutoConfig.from_pretrained(name_or_path)
     for key, value in config.to_dict().items():
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
     return config
 
 
-def load_pretrained(model_class, name_or_path: str, flag: str) -> nn.Module:
+def load_pretrained(model_class, name_or_path: str) -> nn.Module:
     """A pretrained model through the Auto classes, in fp32, with every dropout probability 0 (asserted)."""
-    config = config_without_dropout(name_or_path, flag)
-    with run_utils.flag_errors(flag, name_or_path, f"cannot load as {model_class.__name__}"):
-        model = model_class.from_pretrained(name_or_path, config=config, dtype=torch.float32)
+    config = config_without_dropout(name_or_path)
+    model = model_class.from_pretrained(name_or_path, config=config, dtype=torch.float32)
     for key, value in model.config.to_dict().items():
         assert not (("dropout" in key or "pdrop" in key) and isinstance(value, float) and value), f"config.{key}"
     for name, module in model.named_modules():
@@ -537,8 +534,6 @@ def validate_args(args: Args) -> Args:
                        f"{share}: raise --ppo.batch-size or lower --ppo.whitening-ranks / --ppo.nminibatches")  # fmt: skip
     if not 0 <= args.task.truncate_after < args.task.response_length:
         run_utils.fail("--task.truncate-after must be >= 0 and < --task.response-length")
-    if args.rewards.trained_model is None:
-        run_utils.fail("--rewards.trained-model is required: the reward_model/ directory of train_reward_accelerate.py")
     positive = ("ppo.lr", "ppo.total_episodes", "ppo.noptepochs", "task.query_length", "task.passage_rows",
                 "local_rollout_forward_batch_size", "print_sample_output_freq", "eval_every")  # fmt: skip
     run_utils.require_positive(args, *positive)
@@ -561,8 +556,8 @@ def read_inputs(args: Args):
     query_texts = run_utils.available(task.query_dataset, "--task.query-dataset", dry_run)
     if not model:
         return None, None
-    tokenizer = load_tokenizer(args.base_model, "--base-model")
-    config = config_without_dropout(args.base_model, "--base-model")
+    with run_utils.flag_errors("--base-model", args.base_model, "cannot load a tokenizer and model config"):
+        tokenizer, config = load_tokenizer(args.base_model), config_without_dropout(args.base_model)
     run_utils.require_causal_lm(config, args.base_model, "--base-model")
     truncate_token_id(tokenizer, task)
     check_reward_model(args.rewards.trained_model, tokenizer)
@@ -596,7 +591,7 @@ def load_reward_model(directory: str) -> RewardModel:
     outside training: see the README)."""
     info = json.loads(Path(directory, "reward_model.json").read_text())
     with run_utils.quiet_load_report():  # its weights file also holds `score.weight`, which AutoModel does not use
-        model = RewardModel(load_pretrained(AutoModel, directory, "--rewards.trained-model"), info["pad_id"])
+        model = RewardModel(load_pretrained(AutoModel, directory), info["pad_id"])
     missing, unexpected = model.load_state_dict(load_file(Path(directory, "reward_head.safetensors")), strict=False)
     assert not unexpected and all(key.startswith("backbone.") for key in missing), (missing, unexpected)
     return model
@@ -889,7 +884,7 @@ def held_out_texts(args: Args) -> tuple[list[str], frozenset[str]]:
     validated args, loading only the tokenizer: quickstart.py keeps the latter out of the reward model's labels too."""
     task = args.task
     texts = rlhf_data.QueryTexts.of_task(task)
-    _, _, held_out = held_out_queries(texts, load_tokenizer(args.base_model, "--base-model"), task, args.eval_queries)
+    _, _, held_out = held_out_queries(texts, load_tokenizer(args.base_model), task, args.eval_queries)
     return [texts[i] for i in range(len(texts))], held_out
 
 
@@ -932,12 +927,13 @@ def load_models(args: Args, device) -> tuple[PolicyAndValueWrapper, nn.Module, R
     """The policy (the base model with a value head), the frozen reference policy (the same base model) and the
     frozen reward model; the last two on `device` (accelerator.prepare places the policy)."""
     torch.manual_seed(args.seed)  # the value head's init: random only with --no-zero-value-head
-    policy = PolicyAndValueWrapper(load_pretrained(AutoModelForCausalLM, args.base_model, "--base-model"),
-                                   args.zero_value_head)  # fmt: skip
+    with run_utils.flag_errors("--base-model", args.base_model, "cannot load its weights"):
+        policy = PolicyAndValueWrapper(load_pretrained(AutoModelForCausalLM, args.base_model), args.zero_value_head)
+        ref_lm = load_pretrained(AutoModelForCausalLM, args.base_model).to(device).eval()
+    with run_utils.flag_errors("--rewards.trained-model", args.rewards.trained_model, "cannot load its weights"):
+        reward_model = load_reward_model(args.rewards.trained_model).to(device).eval()
     if args.gradient_checkpointing:
         run_utils.enable_gradient_checkpointing(policy.lm)
-    ref_lm = load_pretrained(AutoModelForCausalLM, args.base_model, "--base-model").to(device).eval()
-    reward_model = load_reward_model(args.rewards.trained_model).to(device).eval()
     return policy, ref_lm.requires_grad_(False), reward_model.requires_grad_(False)
 
 

@@ -176,12 +176,11 @@ def task_defaults(name: Optional[str] = None) -> Args:
 NEVER_SAMPLED_LOGIT = -1e9  # the pad id's logit: exp() of it is exactly 0 in fp32, and (unlike -inf) 0 * it is 0
 
 
-def load_tokenizer(name_or_path: str, flag: str):
+def load_tokenizer(name_or_path: str):
     """The base model's tokenizer with a pad token distinct from EOS, so the policy stays free to emit EOS."""
     # detail: pad token — GPT-2 has none; we add `[PAD]`, id 50257, one past the vocabulary, as OAI padded with an id
     # outside it (language/encodings.py). The embedding is not resized: pads become 0 before every forward.
-    with run_utils.flag_errors(flag, name_or_path, "cannot load a tokenizer"):
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
     return tokenizer
@@ -195,23 +194,21 @@ def truncate_token_id(tokenizer, task) -> int:
     return ids[0]
 
 
-def config_without_dropout(name_or_path: str, flag: str):
+def config_without_dropout(name_or_path: str):
     """The model's config with every dropout probability set to 0."""
     # detail: dropout disabled — OAI trains without dropout (policy.py do_dropout=False); eval mode alone would leave
     # it on in the PPO forward passes, making the ratio at the first minibatch != 1
-    with run_utils.flag_errors(flag, name_or_path, "not a model directory or Hub id"):
-        config = AutoConfig.from_pretrained(name_or_path)
+    config = AutoConfig.from_pretrained(name_or_path)
     for key, value in config.to_dict().items():
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
     return config
 
 
-def load_pretrained(model_class, name_or_path: str, flag: str) -> nn.Module:
+def load_pretrained(model_class, name_or_path: str) -> nn.Module:
     """A pretrained model through the Auto classes, in fp32, with every dropout probability 0 (asserted)."""
-    config = config_without_dropout(name_or_path, flag)
-    with run_utils.flag_errors(flag, name_or_path, f"cannot load as {model_class.__name__}"):
-        model = model_class.from_pretrained(name_or_path, config=config, dtype=torch.float32)
+    config = config_without_dropout(name_or_path)
+    model = model_class.from_pretrained(name_or_path, config=config, dtype=torch.float32)
     for key, value in model.config.to_dict().items():
         assert not (("dropout" in key or "pdrop" in key) and isinstance(value, float) and value), f"config.{key}"
     for name, module in model.named_modules():
@@ -517,8 +514,8 @@ def read_inputs(args: Args):
     query_texts = run_utils.available(task.query_dataset, "--task.query-dataset", dry_run)
     if not model:
         return None, None, None
-    tokenizer = load_tokenizer(args.base_model, "--base-model")
-    config = config_without_dropout(args.base_model, "--base-model")
+    with run_utils.flag_errors("--base-model", args.base_model, "cannot load a tokenizer and model config"):
+        tokenizer, config = load_tokenizer(args.base_model), config_without_dropout(args.base_model)
     run_utils.require_causal_lm(config, args.base_model, "--base-model")
     truncate_token_id(tokenizer, task)
     labels = texts = None
@@ -697,6 +694,18 @@ def save_reward_model(model: RewardModel, directory: Path, tokenizer, base_model
     (directory / "reward_model.json").write_text(json.dumps(info, indent=2))
 
 
+def load_reward_model_and_sampler(args: Args, pad_id: int, device) -> tuple[RewardModel, nn.Module]:
+    """The reward model to train (the base model with a scalar head, initialized alike on every process) and the
+    frozen base model that samples the labels' candidates and the normalization's responses."""
+    torch.manual_seed(args.seed)  # the head's init
+    with run_utils.flag_errors("--base-model", args.base_model, "cannot load its weights"):
+        reward_model = RewardModel(load_pretrained(AutoModel, args.base_model), pad_id)
+        ref_lm = load_pretrained(AutoModelForCausalLM, args.base_model)
+    if args.gradient_checkpointing:
+        run_utils.enable_gradient_checkpointing(reward_model.backbone)
+    return reward_model.to(device), ref_lm.to(device).eval().requires_grad_(False)
+
+
 def main(args: Args) -> None:
     args = validate_args(args)  # derived sizes, flag checks
     tokenizer, labels, texts = read_inputs(args)  # checked before any model loads
@@ -710,18 +719,12 @@ def main(args: Args) -> None:
     if run.finished:
         return
     run_utils.setup_device(accelerator, args.allow_tf32)
-    torch.manual_seed(args.seed)  # the head init agrees on every process
-    reward_model = RewardModel(load_pretrained(AutoModel, args.base_model, "--base-model"), pad_id)
-    if args.gradient_checkpointing:
-        run_utils.enable_gradient_checkpointing(reward_model.backbone)
-    ref_lm = load_pretrained(AutoModelForCausalLM, args.base_model, "--base-model").to(accelerator.device).eval()
-    ref_lm.requires_grad_(False)
+    reward_model, ref_lm = load_reward_model_and_sampler(args, pad_id, accelerator.device)
     # detail: different seeds for different processes — seed + rank * 100003 (OAI utils/core.py set_mpi_seed)
     torch.manual_seed(args.seed + accelerator.process_index * RANK_SEED_STRIDE)
     query_stream = QueryStream(
         texts, tokenizer, task, pad_id, args.seed, accelerator.process_index, accelerator.num_processes
     )
-    reward_model.to(accelerator.device)
     # 1. labels: from --label-dataset (read before any model loaded), or simulated here, made once (a resumed run
     # reads what its first attempt made)
     if args.labels.source != "file":

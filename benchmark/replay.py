@@ -116,7 +116,7 @@ def main(argv: list[str]) -> None:
     else:
         raise SystemExit(f"replay.py: {script_name}: train_reward_accelerate.py or train_policy_accelerate.py")
     args = run_utils.task_cli(script.task_defaults, flags)
-    tokenizer = script.load_tokenizer(args.base_model, "--base-model")
+    tokenizer = script.load_tokenizer(args.base_model)
     install(script, Replay(batches, tokenizer.pad_token_id), orders)
     script.main(args)
 

@@ -258,11 +258,9 @@ def stage_assets(out: Path, openai: OpenAI) -> None:
     run_ours("train_reward_accelerate.py", flags, labels_run)
     shutil.copy(labels_run / "labels.json", assets / "labels.json")
     # OpenAI's initial model: the base model and the reward head this project's reward script starts from (seed 1)
-    tokenizer = R.load_tokenizer(str(assets / "base"), "--base-model")
+    tokenizer = R.load_tokenizer(str(assets / "base"))
     torch.manual_seed(1)  # as train_reward_accelerate.py's main, before it builds the reward model
-    reward_model = R.RewardModel(
-        R.load_pretrained(AutoModel, str(assets / "base"), "--base-model"), tokenizer.pad_token_id
-    )
+    reward_model = R.RewardModel(R.load_pretrained(AutoModel, str(assets / "base")), tokenizer.pad_token_id)
     hparams, arrays = lm_arrays(assets / "base")  # and the reward head: OpenAI's init_op loads it when it is there
     head = reward_model.scalar_head
     arrays.update(head_to_openai(head.weight, head.bias, "model/heads/reward"))  # the value head is 0 on both sides
@@ -332,8 +330,8 @@ def forward_check(out: Path, openai: OpenAI) -> dict:
               "out": str(stage / "openai"), "tokens": str(stage / "tokens.npz")}  # fmt: skip
     openai.run("forward", config)
     theirs = np.load(stage / "openai" / "forward.npz")
-    pad = P.load_tokenizer(str(assets / "base"), "--base-model").pad_token_id
-    policy = P.PolicyAndValueWrapper(P.load_pretrained(AutoModelForCausalLM, str(assets / "base"), "--base-model"))
+    pad = P.load_tokenizer(str(assets / "base")).pad_token_id
+    policy = P.PolicyAndValueWrapper(P.load_pretrained(AutoModelForCausalLM, str(assets / "base")))
     policy.value_head.load_state_dict(value_head.state_dict())
     reward_model = P.load_reward_model(str(assets / "reward_model"))
     query_tokens, response_tokens = (torch.from_numpy(x).long() for x in (queries, responses))

@@ -105,7 +105,7 @@ def make_fake_reward_model(tiny_assets, tmp_path, fingerprint=None):
 
     directory = tmp_path / "rm"
     directory.mkdir(exist_ok=True)
-    tokenizer = P.load_tokenizer(str(tiny_assets["model"]), "--base-model")
+    tokenizer = P.load_tokenizer(str(tiny_assets["model"]))
     info = {"base_model": "tiny", "pad_id": tokenizer.pad_token_id,
             "tokenizer_fingerprint": fingerprint or run_utils.tokenizer_fingerprint(tokenizer)}  # fmt: skip
     (directory / "reward_model.json").write_text(json.dumps(info))

@@ -26,7 +26,7 @@ WORDS = "the man woman dog walked ran looked into out of a house room garden slo
 
 @pytest.fixture(scope="module")
 def tokenizer(gpt2_tokenizer_dir):
-    return R.load_tokenizer(str(gpt2_tokenizer_dir), "--base-model")
+    return R.load_tokenizer(str(gpt2_tokenizer_dir))
 
 
 def book_sentences(n: int) -> list[str]:

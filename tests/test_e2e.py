@@ -77,7 +77,7 @@ def test_reward_model_learns_the_synthetic_preference(reward_run):
 
 
 def load_saved_reward_model(directory):
-    tokenizer = P.load_tokenizer(str(directory), "--base-model")
+    tokenizer = P.load_tokenizer(str(directory))
     P.check_reward_model(str(directory), tokenizer)
     return P.load_reward_model(str(directory)).eval()
 
@@ -90,7 +90,7 @@ def test_saved_reward_model_reloads_and_scores_identically(reward_run, tiny_asse
     # the saved weights are the trained ones: they get the run's last held-out accuracy on the same records (the 192
     # after the 2000 trained on: 12 whole batches of 16); normalization after training multiplies every score by one
     # positive gain, which keeps each record's best sample (an untrained backbone saved instead gets ~1 in 4)
-    tokenizer = P.load_tokenizer(str(reward_run / "reward_model"), "--base-model")
+    tokenizer = P.load_tokenizer(str(reward_run / "reward_model"))
     label_args = R.Args(labels=R.LabelHParams(num_train=2000), task=R.TaskHParams(query_length=64, response_length=24))
     labels = R.load_labels(str(tiny_assets["labels"]), tokenizer, label_args)
     held_out = slice(2000, 2192)

@@ -34,8 +34,8 @@ def reward_model_dir(gpt2_tokenizer_dir, tmp_path_factory):
     base = tmp_path_factory.mktemp("base")
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=4, n_embd=64)).save_pretrained(base)
-    tokenizer = R.load_tokenizer(str(gpt2_tokenizer_dir), "--base-model")
-    model = R.RewardModel(R.load_pretrained(AutoModel, str(base), "--base-model"), tokenizer.pad_token_id)
+    tokenizer = R.load_tokenizer(str(gpt2_tokenizer_dir))
+    model = R.RewardModel(R.load_pretrained(AutoModel, str(base)), tokenizer.pad_token_id)
     with torch.no_grad():
         model.reward_gain.fill_(1.7)
         model.reward_bias.fill_(-0.4)
@@ -123,7 +123,8 @@ def test_sample_tables_go_to_wandb_as_tables(tmp_path, monkeypatch):
 
     table = lambda columns, data: ("table", columns, data)  # noqa: E731
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kwargs: FakeRun(), Table=table))
-    args = P.Args(output_dir=str(tmp_path), run_name="r", track=True, tensorboard=False)
+    args = P.Args(output_dir=str(tmp_path), run_name="r", track=True, tensorboard=False,
+                  rewards=P.RewardHParams(trained_model="rm"))  # fmt: skip
     run = run_utils.Run(args, FakeAccelerator(), "policy", set(), step_name="update")
     run.samples("samples.jsonl", 3, {"query": ["q"], "response": ["r"], "score": [0.5]})
     assert logged == [(3, {"samples": ("table", ["query", "response", "score"], [["q", "r", 0.5]])})]

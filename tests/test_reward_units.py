@@ -51,7 +51,7 @@ def tiny_llama_config(**kwargs) -> LlamaConfig:
 
 @pytest.fixture(scope="module")
 def tokenizer(gpt2_tokenizer_dir):
-    return R.load_tokenizer(str(gpt2_tokenizer_dir), "--base-model")
+    return R.load_tokenizer(str(gpt2_tokenizer_dir))
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def gpt2_dir(tmp_path_factory, gpt2_tokenizer_dir):
     directory = tmp_path_factory.mktemp("tiny-gpt2")
     torch.manual_seed(0)
     GPT2LMHeadModel(tiny_gpt2_config()).save_pretrained(directory)
-    R.load_tokenizer(str(gpt2_tokenizer_dir), "--base-model").save_pretrained(directory)
+    R.load_tokenizer(str(gpt2_tokenizer_dir)).save_pretrained(directory)
     return directory
 
 
@@ -124,7 +124,7 @@ def check_padding_invariance(backbone: nn.Module, vocab_size: int, pad_id: int) 
 
 
 def test_padded_forward_gpt2_left_padding_changes_nothing_for_real_tokens(gpt2_dir):
-    backbone = R.load_pretrained(AutoModel, str(gpt2_dir), "--base-model").eval()
+    backbone = R.load_pretrained(AutoModel, str(gpt2_dir)).eval()
     assert isinstance(backbone, GPT2Model)
     check_padding_invariance(backbone, vocab_size=50257, pad_id=PAD)
 
@@ -132,7 +132,7 @@ def test_padded_forward_gpt2_left_padding_changes_nothing_for_real_tokens(gpt2_d
 def test_padded_forward_llama_left_padding_changes_nothing_for_real_tokens(tmp_path):
     torch.manual_seed(0)
     LlamaModel(tiny_llama_config()).save_pretrained(tmp_path)
-    backbone = R.load_pretrained(AutoModel, str(tmp_path), "--base-model").eval()
+    backbone = R.load_pretrained(AutoModel, str(tmp_path)).eval()
     assert isinstance(backbone, LlamaModel)
     check_padding_invariance(backbone, vocab_size=1000, pad_id=1000)
 
@@ -187,7 +187,7 @@ def test_reward_head_init_std_is_one_over_sqrt_d_plus_one_bias_zero_gain_one():
 
 def test_saved_reward_model_loads_in_the_policy_script_and_scores_identically(gpt2_dir, tokenizer, tmp_path):
     torch.manual_seed(0)
-    model = R.RewardModel(R.load_pretrained(AutoModel, str(gpt2_dir), "--base-model"), PAD).eval()
+    model = R.RewardModel(R.load_pretrained(AutoModel, str(gpt2_dir)), PAD).eval()
     with torch.no_grad():
         model.reward_gain.fill_(2.5)
         model.reward_bias.fill_(-0.75)
@@ -215,7 +215,7 @@ def test_check_reward_model_rejects_a_non_reward_directory(tmp_path, tokenizer):
 def test_reward_reads_the_last_real_token_whatever_the_padding(gpt2_dir):
     """query ⊕ truncated response (pads in the middle of the row) scores like the unpadded real tokens."""
     torch.manual_seed(0)
-    model = R.RewardModel(R.load_pretrained(AutoModel, str(gpt2_dir), "--base-model"), PAD).eval()
+    model = R.RewardModel(R.load_pretrained(AutoModel, str(gpt2_dir)), PAD).eval()
     real = [15496, 995, 23073, 11, 339, 13]
     padded = torch.tensor([[PAD, PAD, 15496, 995, 23073, 11, 339, 13, PAD, PAD, PAD]])  # query (2 pads) ⊕ response
     with torch.no_grad():
@@ -234,7 +234,7 @@ def test_load_pretrained_sets_every_dropout_to_zero(tmp_path):
     GPT2LMHeadModel(config).save_pretrained(tmp_path)
     plain = GPT2LMHeadModel.from_pretrained(tmp_path)  # the saved checkpoint really has dropout
     assert any(isinstance(m, nn.Dropout) and m.p > 0 for m in plain.modules())
-    model = R.load_pretrained(AutoModelForCausalLM, str(tmp_path), "--base-model")
+    model = R.load_pretrained(AutoModelForCausalLM, str(tmp_path))
     for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout"):
         assert getattr(model.config, key) == 0.0, key
     dropouts = [m for m in model.modules() if isinstance(m, nn.Dropout)]
@@ -247,7 +247,7 @@ def test_load_pretrained_sets_every_dropout_to_zero(tmp_path):
 
 def test_load_pretrained_sets_llama_attention_dropout_to_zero(tmp_path):
     LlamaModel(tiny_llama_config(attention_dropout=0.3)).save_pretrained(tmp_path)
-    model = R.load_pretrained(AutoModel, str(tmp_path), "--base-model")
+    model = R.load_pretrained(AutoModel, str(tmp_path))
     assert model.config.attention_dropout == 0.0
 
 
@@ -368,7 +368,7 @@ def test_normalize_reward_sets_population_mean_0_std_1(gpt2_dir):
     args.task = R.TaskHParams(response_length=3, temperature=0.7)
     ref_lm = dominated_lm(DOT)  # samples '.' every time: scores depend on the queries only
     torch.manual_seed(0)
-    model = R.RewardModel(R.load_pretrained(AutoModel, str(gpt2_dir), "--base-model"), PAD).eval()
+    model = R.RewardModel(R.load_pretrained(AutoModel, str(gpt2_dir)), PAD).eval()
     generator = torch.Generator().manual_seed(2)
     queries = torch.randint(0, 50257, (8, 5), generator=generator)
     queries[:3, :2] = PAD  # some left padding

@@ -262,8 +262,10 @@ def test_help_renders(help_outputs, kind, flags):
     for derived in ("--world-size", "--local-batch-size", "--num-updates", "--run-name"):
         assert derived not in stdout, f"derived value {derived} shown in --help"
     # only the flags whose default means "not set" (the output dir, the wandb entity, the Hub repo, the peak FLOPS,
-    # the dataset configuration; the policy's reward model and gold labeler): every other default is its value
-    assert stdout.count("(default: None)") == {"reward": 5, "policy": 7}[kind]
+    # the dataset configuration; the policy's gold labeler): every other default is its value, and the policy's
+    # reward model is (required)
+    assert stdout.count("(default: None)") == {"reward": 5, "policy": 6}[kind]
+    assert stdout.count("(required)") == {"reward": 0, "policy": 1}[kind]
 
 
 # ---------------------------------------------------------------------------------------------------------------

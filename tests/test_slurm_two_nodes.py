@@ -102,9 +102,9 @@ def reward_model(tiny_assets, tmp_path_factory) -> Path:
     """An untrained reward model on the tiny GPT-2 (the policy runs need one; training it would add ~25 s)."""
     base = str(tiny_assets["model"])
     directory = tmp_path_factory.mktemp("reward") / "reward_model"
-    tokenizer = train_reward_accelerate.load_tokenizer(base, "--base-model")
+    tokenizer = train_reward_accelerate.load_tokenizer(base)
     torch.manual_seed(0)
-    backbone = train_reward_accelerate.load_pretrained(AutoModel, base, "--base-model")
+    backbone = train_reward_accelerate.load_pretrained(AutoModel, base)
     model = train_reward_accelerate.RewardModel(backbone, tokenizer.pad_token_id)
     train_reward_accelerate.save_reward_model(model, directory, tokenizer, base)
     return directory

@@ -97,10 +97,20 @@ def test_the_default_task_is_sentiment_and_the_truncate_tokens_are_single_gpt2_t
 def test_task_defaults_are_what_the_command_line_gives():
     """Tests and programs that build Args for a task get exactly what `--task.name` gives a user."""
     for module in (R, P):
+        required = ["--rewards.trained-model", "x"] if module is P else []  # the policy's one required flag
+
+        def given(args, required=required):
+            if required:
+                args.rewards.trained_model = "x"
+            return args
+
         for task in TASKS:
-            assert module.task_defaults(task) == run_utils.task_cli(module.task_defaults, ["--task.name", task])
-            assert module.task_defaults(task) == run_utils.task_cli(module.task_defaults, [f"--task.name={task}"])
-        assert module.task_defaults() == module.Args() == run_utils.task_cli(module.task_defaults, [])
+            expected = given(module.task_defaults(task))
+            assert expected == run_utils.task_cli(module.task_defaults, ["--task.name", task, *required])
+            assert expected == run_utils.task_cli(module.task_defaults, [f"--task.name={task}", *required])
+        assert (
+            given(module.task_defaults()) == given(module.Args()) == run_utils.task_cli(module.task_defaults, required)
+        )
         with pytest.raises(SystemExit):  # an unknown task is tyro's error, not a silent books run
             run_utils.task_cli(module.task_defaults, ["--task.name", "books"])
 
@@ -198,15 +208,28 @@ def test_help_shows_the_tasks_defaults(module, task, capsys):
 
 
 NONE_BY_DESIGN = {"--wandb-entity", "--output-dir", "--peak-tflops", "--hf-repo-id", "--task.query-dataset-config"}
-"""The flags whose default is really None (not set), in both scripts; the policy adds two."""
+"""The flags whose default is really None (not set), in both scripts; the policy adds one."""
 
 
 @pytest.mark.parametrize("module", [R, P], ids=["reward", "policy"])
 def test_help_shows_none_only_where_none_is_meant(module, capsys):
     shown = help_defaults(module, capsys)
     assert len(shown) > 40 and shown["--seed"] == "1"
-    extra = {"--rewards.trained-model", "--task.gold-labeler"} if module is P else set()
+    extra = {"--task.gold-labeler"} if module is P else set()
     assert {flag for flag, default in shown.items() if default == "None"} == NONE_BY_DESIGN | extra
+
+
+def test_the_reward_model_flag_is_required(capsys):
+    """--help says (required), not (default: None); without the flag tyro stops before anything runs, naming it."""
+    with pytest.raises(SystemExit):
+        run_utils.task_cli(P.task_defaults, ["--help"])
+    help_text = " ".join(line.strip("│ ") for line in capsys.readouterr().out.splitlines())
+    assert re.search(
+        r"--rewards\.trained-model STR +reward model directory .{0,120}\(required\) +--rewards\.kl-coef", help_text
+    )
+    with pytest.raises(SystemExit) as failure:
+        run_utils.task_cli(P.task_defaults, ["--dry-run"])
+    assert failure.value.code != 0 and "--rewards.trained-model" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -250,7 +273,7 @@ def test_tldr_texts_are_normalized_and_tokenized_book_rows_joined_back():
 
 @pytest.fixture(scope="module")
 def tokenizer(gpt2_tokenizer_dir):
-    return R.load_tokenizer(str(gpt2_tokenizer_dir), "--base-model")
+    return R.load_tokenizer(str(gpt2_tokenizer_dir))
 
 
 def test_contexts_put_prefix_and_suffix_around_the_bare_query_and_move_middle_pads_left(tokenizer, tmp_path):
@@ -481,7 +504,7 @@ def test_tiny_cnndm_run_end_to_end(tiny_assets, tmp_path):
     task_args = (args["task"]["query_prefix"], args["task"]["query_suffix"], args["task"]["temperature"])
     assert task_args == ("Article:\n\n", "\n\nTL;DR:", 0.5)
     records = json.loads((reward_dir / "labels.json").read_text())
-    tokenizer = R.load_tokenizer(str(tiny_assets["model"]), "--base-model")
+    tokenizer = R.load_tokenizer(str(tiny_assets["model"]))
     queries = [tokenizer.decode([t for t in r["query"] if t < PAD]) for r in records]  # OAI's pad 50259 dropped
     assert len(records) == 48 and all(len(r["query"]) == 48 for r in records)
     for junk in ("Article:", "TL;DR", "(CNN)", "PUBLISHED", "Daily Mail Reporter", "@highlight", "highlight."):
