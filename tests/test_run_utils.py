@@ -16,6 +16,11 @@ import run_utils
 import train_policy_accelerate
 
 
+def policy_args(**fields) -> train_policy_accelerate.Args:
+    """The policy's Args with its one required flag given (a reward model directory, never read here)."""
+    return train_policy_accelerate.Args(rewards=train_policy_accelerate.RewardHParams(trained_model="rm"), **fields)
+
+
 def imported_modules(path) -> list[str]:
     tree = ast.parse(path.read_text())
     imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
@@ -75,7 +80,7 @@ def test_tracked_resume_continues_the_same_wandb_run(tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
     for resume in (False, False, True):
-        args = train_policy_accelerate.Args(resume=resume, overwrite=not resume, output_dir=str(tmp_path), track=True,
+        args = policy_args(resume=resume, overwrite=not resume, output_dir=str(tmp_path), track=True,
                                             tensorboard=False, run_name="r")  # fmt: skip
         run = run_utils.Run(args, FakeAccelerator(), "policy", set())
         run.log({"x": 1.0}, step=4)
@@ -109,7 +114,7 @@ def test_progress_in_a_log_file_prints_plain_lines(monkeypatch, capsys, tmp_path
 def test_tensorboard_gets_the_metrics_and_the_sample_tables(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    args = train_policy_accelerate.Args(output_dir=str(tmp_path), run_name="r")
+    args = policy_args(output_dir=str(tmp_path), run_name="r")
     run = run_utils.Run(args, FakeAccelerator(), "policy", set(), step_name="update")
     for update in (1, 2):
         run.log({"update": update, "objective/scores": 0.5 * update, "ppo/lr": 1e-5}, update)
@@ -126,7 +131,7 @@ def test_tensorboard_gets_the_metrics_and_the_sample_tables(tmp_path):
 
 def test_sample_tables_and_printed_lines_are_text_not_rich_markup(tmp_path, capsys):
     """A generated sample holding "[/...]" once crashed the run (rich read it as a closing tag); "[bold]" vanished."""
-    args = train_policy_accelerate.Args(output_dir=str(tmp_path), run_name="r")
+    args = policy_args(output_dir=str(tmp_path), run_name="r")
     run = run_utils.Run(args, FakeAccelerator(), "policy", set(), step_name="update")
     run.samples("samples.jsonl", 1, {"query": ["a [/b] c"], "response": ["[bold]d"], "score": [0.5]})
     run.print("eval [/x] and [red]y")
