@@ -127,8 +127,9 @@ JobCompType=jobcomp/filetxt
 JobCompLoc=$log_dir/jobcomp.log
 MinJobAge=3600
 SchedulerType=sched/backfill
-# refill freed slots at once instead of on a 3 s tick
-SchedulerParameters=batch_sched_delay=0
+# refill freed slots at once instead of on a 3 s tick; sched_interval=1: a requeued job is started by the periodic
+# scheduler as soon as its BeginTime (cred_expire) has passed, not by the next backfill pass up to 30 s later
+SchedulerParameters=batch_sched_delay=0,sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 DefMemPerCPU=$mem_per_cpu
