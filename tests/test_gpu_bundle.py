@@ -68,8 +68,12 @@ def test_check_runs_offline_from_the_bundle_in_a_bare_environment(bundle, tmp_pa
     venv = tmp_path / "node-env"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    install = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-compile", *NODE_STACK],
-                             capture_output=True, text=True, timeout=900)  # fmt: skip (--no-compile: no .pyc for torch, 117 s -> 78 s)
+    install = subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", "--no-compile", *NODE_STACK],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )  # fmt: skip (--no-compile: no .pyc for torch, 117 s -> 78 s)
     assert install.returncode == 0, install.stderr[-3000:]
     missing = subprocess.run([str(python), "-c", "import tyro"], capture_output=True, text=True)
     assert missing.returncode != 0  # the node lacks it: the bundle brings it
