@@ -175,7 +175,10 @@ def check_run_args(args) -> None:
 
 
 def hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    from huggingface_hub import constants  # the library's own reading of HF_HUB_OFFLINE (not a module-level import:
+    # the GPU check path imports only what a bare node has)
+
+    return constants.HF_HUB_OFFLINE
 
 
 def hub_is_reachable(timeout: float = 3.0) -> bool:
