@@ -32,6 +32,7 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 from rich.text import Text
+from safetensors import SafetensorError
 
 CHECKPOINT_FORMAT = 2  # 2: accelerate's save_state layout (1, before it: model.pt / optimizer.pt / processes.pt)
 RUN_LOGS = ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl")  # copied into each checkpoint
@@ -104,7 +105,7 @@ def flag_errors(flag: str, value, what: str):
     """A loader's error (file missing, unreadable, not what it should be) as one line naming the flag and value."""
     try:
         yield
-    except (OSError, ValueError, KeyError, ImportError) as error:
+    except (OSError, ValueError, KeyError, ImportError, SafetensorError) as error:  # SafetensorError: a broken file
         fail(f"{flag} {value!r}: {what} ({first_line(error)})")
 
 

@@ -884,7 +884,9 @@ def held_out_texts(args: Args) -> tuple[list[str], frozenset[str]]:
     validated args, loading only the tokenizer: quickstart.py keeps the latter out of the reward model's labels too."""
     task = args.task
     texts = rlhf_data.QueryTexts.of_task(task)
-    _, _, held_out = held_out_queries(texts, load_tokenizer(args.base_model), task, args.eval_queries)
+    with run_utils.flag_errors("--base-model", args.base_model, "cannot load a tokenizer"):
+        tokenizer = load_tokenizer(args.base_model)
+    _, _, held_out = held_out_queries(texts, tokenizer, task, args.eval_queries)
     return [texts[i] for i in range(len(texts))], held_out
 
 

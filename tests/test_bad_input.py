@@ -155,6 +155,28 @@ def test_base_model_that_is_not_a_causal_lm(tiny_assets, tmp_path, script):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("script", [REWARD, POLICY])
+def test_base_model_whose_weights_do_not_load(tiny_assets, tmp_path, script):
+    """Its tokenizer and config read (checked before anything is written), its weights file broken: one line naming
+    the flag where the models load, not a traceback."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_assets["model"], broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    flags = ["--base-model", str(broken), "--task.query-dataset", str(tiny_assets["corpus"]),
+             "--output-dir", str(tmp_path / "out"), *script_inputs(script, tiny_assets, tmp_path)]  # fmt: skip
+    check_one_line_error(run_in_process(script, *flags), "--base-model", "cannot load its weights")
+
+
+def test_quickstarts_held_out_split_names_a_base_model_without_a_tokenizer(tiny_assets, tmp_path):
+    import train_policy_accelerate as P
+
+    args = run_utils.task_cli(P.task_defaults, ["--rewards.trained-model", "x", "--base-model", str(tmp_path),
+                                                "--task.query-dataset", str(tiny_assets["corpus"])])  # fmt: skip
+    with pytest.raises(SystemExit) as failure:
+        P.held_out_texts(args)
+    assert str(failure.value).startswith(f"error: --base-model '{tmp_path}': cannot load a tokenizer")
+
+
 @pytest.mark.parametrize(
     "script, flags, words",
     [
