@@ -465,7 +465,8 @@ class QueryStream:
 
 class RewardModel(nn.Module):
     """A pretrained backbone (no LM head) + a scalar head on the last token's final hidden state, with OAI's
-    `reward_gain` / `reward_bias`: r = gain * head(h_last) + bias. Inputs: query ⊕ response, padded anywhere."""
+    `reward_gain` / `reward_bias`: r = gain * head(h_last) + bias of query ⊕ response. Queries (B, C), left-padded;
+    responses (B, T) -> rewards (B,), or (B, n, T) -> (B, n): n responses to each query, padded anywhere."""
 
     def __init__(self, backbone: nn.Module, pad_id: int):
         super().__init__()
@@ -478,14 +479,47 @@ class RewardModel(nn.Module):
         self.reward_gain = nn.Parameter(torch.tensor(1.0))
         self.reward_bias = nn.Parameter(torch.tensor(0.0))
 
-    def forward(self, query_responses: torch.Tensor) -> torch.Tensor:
-        # detail: query ⊕ response input — the reward model (like the policy's value head) reads the concatenation
-        # (OAI rewards.py get_rewards_op)
-        query_responses = right_padding_to_left_padding(query_responses, self.pad_id)  # pads of responses go left
-        # detail: reward from the last token — the hidden state of the last real token, the last column once left
-        # padded (OAI rewards.py TrainedRewardModel)
-        hidden = padded_forward(self.backbone, query_responses, self.pad_id)[:, -1]  # (B, d_model)
-        return self.reward_gain * self.scalar_head(hidden).squeeze(-1) + self.reward_bias  # (B,)
+    def forward(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        if responses.dim() == 3:  # best-of-n records: each query's tokens through the backbone once, not n times
+            hidden = self.last_hidden_of_responses_sharing_their_query(queries, responses)  # (B, n, d_model)
+        else:
+            # detail: query ⊕ response input — the reward model (like the policy's value head) reads the
+            # concatenation (OAI rewards.py get_rewards_op); the pads of the responses go left
+            query_responses = right_padding_to_left_padding(torch.cat([queries, responses], 1), self.pad_id)
+            # detail: reward from the last token — the hidden state of the last real token, the last column once
+            # left padded (OAI rewards.py TrainedRewardModel)
+            hidden = padded_forward(self.backbone, query_responses, self.pad_id)[:, -1]  # (B, d_model)
+        return self.reward_gain * self.scalar_head(hidden).squeeze(-1) + self.reward_bias
+
+    def last_hidden_of_responses_sharing_their_query(self, queries: torch.Tensor, responses: torch.Tensor):
+        """The hidden state of each query ⊕ response's last real token, the same as from n rows query ⊕ response_i
+        (up to float rounding) from one row [query, response_1, ..., response_n] per query: its attention mask lets
+        response i see the query and itself only, and its positions restart after the query for each response."""
+        (batch, n, length), query_length = responses.shape, queries.shape[1]
+        tokens = torch.cat([queries, responses.flatten(1)], 1)  # (B, L = C + nT)
+        is_token, index = tokens != self.pad_id, torch.arange(tokens.shape[1], device=tokens.device)
+        part = F.pad(index[: n * length] // length + 1, (query_length, 0))  # (L,): 0 the query, i response i
+        sees = (index[None] <= index[:, None]) & ((part[None] == 0) | (part[None] == part[:, None]))  # (L, L)
+        # as padded_forward: no token sees a pad, pads don't advance the positions (a pad sees itself, so that no
+        # softmax row is empty; nothing reads its output)
+        sees = sees & is_token[:, None, :] | torch.eye(len(index), dtype=torch.bool, device=tokens.device)  # (B, L, L)
+        dtype = self.backbone.dtype  # an additive mask: eager and sdpa attention both take it as it is
+        mask = torch.zeros(sees.shape, dtype=dtype, device=tokens.device).masked_fill(~sees, torch.finfo(dtype).min)
+        in_query, in_response = is_token[:, :query_length], is_token[:, query_length:].view(batch, n, length)
+        query_positions = in_query.cumsum(1) - in_query.long()  # (B, C)
+        response_positions = in_query.sum(1)[:, None, None] + in_response.cumsum(2) - in_response.long()  # (B, n, T)
+        hidden = self.backbone(
+            input_ids=torch.where(is_token, tokens, 0),
+            attention_mask=mask[:, None],  # (B, 1, L, L)
+            position_ids=torch.cat([query_positions, response_positions.flatten(1)], 1),
+            use_cache=False,
+        ).last_hidden_state  # (B, L, d_model)
+        last_in_response = length - 1 - in_response.flip(2).int().argmax(2)  # (B, n)
+        last = torch.where(
+            in_response.any(2), query_length + length * torch.arange(n, device=tokens.device) + last_in_response,
+            query_length - 1,  # an empty response: the query's last token
+        )  # fmt: skip
+        return hidden[torch.arange(batch, device=tokens.device)[:, None], last]  # (B, n, d_model)
 
 
 def simulated_labeler_scores(labeler: str, texts: list[str]) -> list[float]:
@@ -699,8 +733,9 @@ def score_responses(reward_model: RewardModel, queries, responses, truncate_toke
     )
     if not args.task.rejection_sampling:
         postprocessed, has_cut = responses, torch.ones_like(has_cut)
-    query_responses = torch.cat([queries, postprocessed], 1).split(args.local_rollout_forward_batch_size)
-    scores = torch.cat([reward_model(rows) for rows in query_responses]).float()
+    chunk = args.local_rollout_forward_batch_size
+    scores = [reward_model(queries[i : i + chunk], postprocessed[i : i + chunk]) for i in range(0, len(queries), chunk)]
+    scores = torch.cat(scores).float()
     return postprocessed, torch.where(has_cut, scores, torch.full_like(scores, args.task.penalty_reward_value))
 
 

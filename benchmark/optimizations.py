@@ -168,9 +168,9 @@ def main(args: Args) -> None:
         )
         queries, samples = tokens[:B, :C], tokens[:, C:].view(B, 4, T)
         row(
-            f"best-of-4 scoring ({B} records): the 4 samples of a record in one forward, not 4",
-            lambda: torch.stack([reward(torch.cat([queries, samples[:, j]], 1)) for j in range(4)], 1),
-            lambda: reward(torch.cat([queries.repeat_interleave(4, 0), samples.flatten(0, 1)], 1)).view(B, 4),
+            f"best-of-4 scoring ({B} records): one row per record reads its query once, not 4 rows repeating it",
+            lambda: reward(queries.repeat_interleave(4, 0), samples.flatten(0, 1)).view(B, 4),
+            lambda: reward(queries, samples),
             close,
         )
     padded = torch.randint(vocab, (args.padding_rows, C + T))

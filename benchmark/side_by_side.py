@@ -336,7 +336,8 @@ def forward_check(out: Path, openai: OpenAI) -> dict:
     reward_model = P.load_reward_model(str(assets / "reward_model"))
     query_tokens, response_tokens = (torch.from_numpy(x).long() for x in (queries, responses))
     query_tokens, response_tokens = (torch.where(x == 50259, pad, x) for x in (query_tokens, response_tokens))
-    tokens = torch.cat([P.right_padding_to_left_padding(query_tokens, pad), response_tokens], 1)
+    query_tokens = P.right_padding_to_left_padding(query_tokens, pad)
+    tokens = torch.cat([query_tokens, response_tokens], 1)
 
     def our_forward(dtype) -> dict[str, np.ndarray]:
         with torch.no_grad():
@@ -348,7 +349,7 @@ def forward_check(out: Path, openai: OpenAI) -> dict:
                 all_logprobs = torch.log_softmax(policy.lm.get_output_embeddings()(hidden) / TASK["temperature"], -1)
                 logprobs = all_logprobs.gather(2, response_tokens[..., None]).squeeze(-1)
                 entropies = -(all_logprobs.exp() * all_logprobs).sum(-1)
-            scores = reward_model.to(dtype)(tokens)
+            scores = reward_model.to(dtype)(query_tokens, response_tokens)
         outputs = dict(logprobs=logprobs, entropies=entropies, values=values, scores=scores)
         return {key: value.double().numpy() for key, value in outputs.items()}
 

@@ -148,10 +148,13 @@ def zero2_reward(tiny_assets, tmp_path_factory):
 def reward_scores(run: Path, labels: Path) -> torch.Tensor:
     """What a saved reward model says: its scores of the first label records' query + sample pairs."""
     records = json.loads(labels.read_text())[:32]
-    query_responses = torch.tensor([record["query"] + record[f"sample{i}"] for record in records for i in range(4)])
+    queries = torch.tensor([record["query"] for record in records])
+    samples = torch.tensor([[record[f"sample{i}"] for i in range(4)] for record in records])
     model = load_reward_model(str(run / "reward_model"))
-    with torch.no_grad():
-        return model(query_responses.masked_fill(query_responses == 50259, model.pad_id))  # OpenAI's pad id in files
+    with torch.no_grad():  # OpenAI's pad id in the files is ours here
+        return model(
+            queries.masked_fill(queries == 50259, model.pad_id), samples.masked_fill(samples == 50259, model.pad_id)
+        )
 
 
 def test_zero2_reward_model_equals_ddp_and_keeps_its_normalization(zero2_reward, ddp_reward, tiny_assets):

@@ -94,15 +94,14 @@ def test_saved_reward_model_reloads_and_scores_identically(reward_run, tiny_asse
     label_args = R.Args(labels=R.LabelHParams(num_train=2000), task=R.TaskHParams(query_length=64, response_length=24))
     labels = R.load_labels(str(tiny_assets["labels"]), tokenizer, label_args)
     held_out = slice(2000, 2192)
-    queries, samples = labels["queries"][held_out].repeat_interleave(4, 0), labels["samples"][held_out].flatten(0, 1)
     with torch.no_grad():
-        scores = model(torch.cat([queries, samples], 1)).view(-1, 4)  # (192, 4)
+        scores = model(labels["queries"][held_out], labels["samples"][held_out])  # (192, 4)
     final = [row for row in read_jsonl(reward_run / "metrics.jsonl") if "test/accuracy" in row][-1]
     assert (scores.argmax(1) == labels["best"][held_out]).sum().item() == round(final["test/accuracy"] * 192)
-    tokens = torch.randint(0, 50257, (3, 88))
+    queries, responses = torch.randint(0, 50257, (3, 64)), torch.randint(0, 50257, (3, 24))
     again = load_saved_reward_model(reward_run / "reward_model")
     with torch.no_grad():
-        assert torch.equal(model(tokens), again(tokens))
+        assert torch.equal(model(queries, responses), again(queries, responses))
     assert not list(reward_run.glob(".reward_model.*"))  # no temporary directories left behind
 
 

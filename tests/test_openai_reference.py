@@ -186,10 +186,10 @@ def test_bridges_round_trip_the_weights(reward_rows, assets, tmp_path):
     assert all(np.array_equal(again[k], arrays[k]) for k in again)
     copy = reward_model_from_openai(arrays, assets / "reward_model", tmp_path / "copy")
     records = json.loads((assets / "labels.json").read_text())[:4]  # the corpus's words: other rows embed as 0
-    tokens = torch.tensor([r["query"] + r["sample0"] for r in records])
-    tokens = torch.where(tokens == 50259, 50257, tokens)  # OpenAI's pad id in the files, this project's here
+    queries, responses = (torch.tensor([r[key] for r in records]) for key in ("query", "sample0"))
+    queries, responses = (torch.where(x == 50259, 50257, x) for x in (queries, responses))  # OpenAI's pad id -> ours
     with torch.no_grad():
-        scores = [P.load_reward_model(str(d))(tokens) for d in (assets / "reward_model", copy)]
+        scores = [P.load_reward_model(str(d))(queries, responses) for d in (assets / "reward_model", copy)]
     assert torch.equal(scores[0], scores[1]) and scores[0].std() > 0
 
 

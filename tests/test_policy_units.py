@@ -84,9 +84,9 @@ class ConstantReward(nn.Module):
 
     pad_id = PAD
 
-    def forward(self, query_responses: torch.Tensor) -> torch.Tensor:
-        self.seen = query_responses
-        return torch.full((query_responses.shape[0],), 0.5)
+    def forward(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        self.seen = torch.cat([queries, responses], 1)
+        return torch.full((queries.shape[0],), 0.5)
 
 
 def test_score_responses_scores_postprocessed_text_and_penalizes_uncut():

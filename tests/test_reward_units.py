@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from transformers import (
     AutoModel,
     AutoModelForCausalLM,
@@ -24,6 +25,7 @@ from transformers import (
 )
 
 import rlhf_data
+import run_utils
 import train_policy_accelerate as P
 import train_reward_accelerate as R
 
@@ -198,9 +200,12 @@ def test_saved_reward_model_loads_in_the_policy_script_and_scores_identically(gp
     loaded = P.load_reward_model(str(tmp_path / "rm")).eval()
     assert loaded.pad_id == PAD
     assert loaded.reward_gain.item() == 2.5 and loaded.reward_bias.item() == -0.75
-    query_responses = torch.tensor([[PAD, PAD, 15496, 995, 13, 11, PAD], [23073, 11, 339, 561, 13, 50256, 13]])
+    queries, responses = (
+        torch.tensor([[PAD, PAD, 15496, 995], [23073, 11, 339, 561]]),
+        torch.tensor([[13, 11, PAD], [13, 50256, 13]]),
+    )
     with torch.no_grad():
-        assert torch.equal(loaded(query_responses), model(query_responses))
+        assert torch.equal(loaded(queries, responses), model(queries, responses))
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, loaded.state_dict()[name]), name
 
@@ -216,12 +221,83 @@ def test_reward_reads_the_last_real_token_whatever_the_padding(gpt2_dir):
     """query ⊕ truncated response (pads in the middle of the row) scores like the unpadded real tokens."""
     torch.manual_seed(0)
     model = R.RewardModel(R.load_pretrained(AutoModel, str(gpt2_dir)), PAD).eval()
-    real = [15496, 995, 23073, 11, 339, 13]
-    padded = torch.tensor([[PAD, PAD, 15496, 995, 23073, 11, 339, 13, PAD, PAD, PAD]])  # query (2 pads) ⊕ response
+    query, response = torch.tensor([[15496, 995]]), torch.tensor([[23073, 11, 339, 13]])
+    padded_query, padded_response = torch.tensor([[PAD, PAD, 15496, 995]]), torch.tensor([[23073, 11, 339, 13, PAD]])
     with torch.no_grad():
-        torch.testing.assert_close(model(padded), model(torch.tensor([real])), atol=1e-5, rtol=0)
-        different_last = model(torch.tensor([real[:-1] + [11]]))
-    assert (different_last - model(torch.tensor([real]))).abs().item() > 1e-4
+        torch.testing.assert_close(model(padded_query, padded_response), model(query, response), atol=1e-5, rtol=0)
+        different_last = model(query, torch.tensor([[23073, 11, 339, 11]]))
+    assert (different_last - model(query, response)).abs().item() > 1e-4
+
+
+def records_with_every_kind_of_padding(vocab_size: int, pad_id: int):
+    """4 queries (C=5, left-padded, one of them without pads) x 3 responses (T=4): whole, cut (pads after), a pad in the
+    middle, and one response that is all pads (its reward is the query's last token's)."""
+    generator = torch.Generator().manual_seed(3)
+    queries = torch.randint(0, vocab_size, (4, 5), generator=generator)
+    queries[0, :2], queries[2, :1] = pad_id, pad_id
+    responses = torch.randint(0, vocab_size, (4, 3, 4), generator=generator)
+    responses[0, 1, 2:], responses[1, 2, 1], responses[3, 0, :] = pad_id, pad_id, pad_id
+    return queries, responses
+
+
+def one_row_per_response(model, queries, responses):
+    """The reward of each query ⊕ response as its own row, the query repeated: (B, n)."""
+    batch, n, _ = responses.shape
+    return model(queries.repeat_interleave(n, 0), responses.flatten(0, 1)).view(batch, n)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_responses_sharing_their_query_score_and_train_like_one_row_each(family, attention, checkpointing):
+    """The best-of-4 forward reads each query once for its samples: rewards and every gradient of the best-of-n loss
+    as from one row per sample, also under gradient checkpointing (which rules out a KV cache)."""
+    torch.manual_seed(0)
+    if family == "gpt2":
+        backbone, vocab_size, pad_id = (
+            GPT2Model(tiny_gpt2_config(attn_pdrop=0, resid_pdrop=0, embd_pdrop=0)),
+            50257,
+            PAD,
+        )
+    else:
+        backbone, vocab_size, pad_id = LlamaModel(tiny_llama_config()), 1000, 1000
+    backbone.config._attn_implementation = attention
+    model = R.RewardModel(backbone, pad_id).train()
+    if checkpointing:
+        run_utils.enable_gradient_checkpointing(backbone)
+    queries, responses = records_with_every_kind_of_padding(vocab_size, pad_id)
+    best = torch.tensor([0, 2, 1, 0])
+    gradients = []
+    for rewards_of in (one_row_per_response, R.RewardModel.forward):
+        rewards = rewards_of(model, queries, responses)
+        F.cross_entropy(rewards, best).backward()
+        gradients.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+        model.zero_grad(set_to_none=True)
+        gradients[-1]["rewards"] = rewards.detach()
+    reference, shared = gradients
+    assert reference.keys() == shared.keys() and len(reference) > 10
+    # to float rounding of the largest gradient (the biases that shift all n rewards alike have a gradient of 0, so
+    # only rounding noise, on both sides)
+    scale = max(gradient.abs().max().item() for gradient in reference.values())
+    for name, expected in reference.items():
+        torch.testing.assert_close(shared[name], expected, atol=1e-5 * scale, rtol=1e-4, msg=name)
+    assert reference["rewards"].std() > 0.1  # the rewards differ: the test could tell them apart
+
+
+def test_responses_sharing_their_query_see_only_the_query_and_themselves():
+    """Guard that the test above can fail: a response's reward changes with its own tokens and its query's, never
+    with another response's."""
+    torch.manual_seed(0)
+    model = R.RewardModel(GPT2Model(tiny_gpt2_config()), PAD).eval()
+    queries, responses = records_with_every_kind_of_padding(50257, PAD)
+    changed = responses.clone()
+    changed[0, 0, 0] = (changed[0, 0, 0] + 1) % 50257
+    with torch.no_grad():
+        before, after = model(queries, responses), model(queries, changed)
+        other_query = model(queries.flip(0), responses)
+    assert (after[0, 0] - before[0, 0]).abs() > 1e-4  # its own token
+    torch.testing.assert_close(after[:, 1:], before[:, 1:], atol=0, rtol=0)  # not the other responses of its query
+    assert ((other_query - before).abs() > 1e-4).all()  # every response reads its query
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -372,9 +448,9 @@ def test_normalize_reward_sets_population_mean_0_std_1(gpt2_dir):
     generator = torch.Generator().manual_seed(2)
     queries = torch.randint(0, 50257, (8, 5), generator=generator)
     queries[:3, :2] = PAD  # some left padding
-    query_responses = torch.cat([queries, torch.full((8, 3), DOT)], 1)
+    responses = torch.full((8, 3), DOT)
     with torch.no_grad():
-        raw = model(query_responses).double()  # gain 1, bias 0
+        raw = model(queries, responses).double()  # gain 1, bias 0
         model.reward_gain.fill_(3.0)  # normalization must reset these first
         model.reward_bias.fill_(-2.0)
     mean, std = raw.mean().item(), raw.std(unbiased=False).item()  # population std (8 samples: 7% below sample std)
@@ -386,7 +462,7 @@ def test_normalize_reward_sets_population_mean_0_std_1(gpt2_dir):
     assert stats["normalization/before/normalized_mean"] == pytest.approx(0.0, abs=1e-3)
     assert stats["normalization/before/normalized_std"] == pytest.approx(1.0, rel=1e-3)
     with torch.no_grad():
-        normalized = model(query_responses).double()
+        normalized = model(queries, responses).double()
     assert normalized.mean().item() == pytest.approx(0.0, abs=1e-3)
     assert normalized.std(unbiased=False).item() == pytest.approx(1.0, rel=1e-3)
 
@@ -398,9 +474,9 @@ def test_normalize_reward_sets_population_mean_0_std_1(gpt2_dir):
 class LastTokenScores(nn.Module):
     """Reward = last token id - 10, so the scores of a hand-built batch are set by the samples' last tokens."""
 
-    def forward(self, query_responses: torch.Tensor) -> torch.Tensor:
-        self.seen = query_responses
-        return query_responses[:, -1].float() - 10
+    def forward(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        self.seen = queries, responses
+        return responses[..., -1].float() - 10
 
 
 def test_best_of_4_loss_and_accuracy_by_hand():
@@ -413,13 +489,7 @@ def test_best_of_4_loss_and_accuracy_by_hand():
     # record 1: logits [2, 0, 0, 0], best 1: CE = log(e^2 + 3) - 0 = 2.340753, wrong (argmax 0)
     assert loss.item() == pytest.approx((0.440190 + 2.340753) / 2, abs=1e-5)
     assert accuracy.item() == 0.5
-    assert model.seen.tolist()[:5] == [
-        [PAD, 1, 2, 7, 11],
-        [PAD, 1, 2, 7, 12],
-        [PAD, 1, 2, 7, 13],
-        [PAD, 1, 2, 7, 14],
-        [3, 4, 5, 8, 12],
-    ]
+    assert model.seen[0] is queries and model.seen[1] is samples  # one call: each record's query with its 4 samples
     chance, _ = R.best_of_4_loss(model, queries, torch.full((2, 4, 2), 10), best)
     assert chance.item() == pytest.approx(math.log(4), abs=1e-6)  # equal scores: ln 4 = 1.386294
 

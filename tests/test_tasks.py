@@ -317,9 +317,9 @@ class RecordingReward(nn.Module):
         super().__init__()
         self.seen = []
 
-    def forward(self, query_responses: torch.Tensor) -> torch.Tensor:
-        self.seen.append(query_responses)
-        return torch.zeros(len(query_responses))
+    def forward(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        self.seen.append(torch.cat([queries, responses], 1))
+        return torch.zeros(len(queries))
 
 
 def tiny_lm(seed: int) -> GPT2LMHeadModel:
