@@ -10,6 +10,7 @@ three).
 """
 
 import ctypes
+import importlib
 import json
 import math
 import netrc
@@ -829,6 +830,23 @@ def trunk_parameters(model) -> int:
     the LM head, which is counted apart on the positions that use it."""
     skip = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
     return sum(p.numel() for p in model.parameters() if id(p) not in skip)
+
+
+def import_callable(spec: str, flag: str):
+    """`module:callable` (the module importable from the working directory or PYTHONPATH), or a one-line error naming
+    `flag`."""
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        fail(f"{flag} {spec!r}: expected module:callable (e.g. my_rewards:score)")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m`: a module next to where the command runs
+    try:
+        function = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as error:
+        fail(f"{flag} {spec!r}: cannot import it ({type(error).__name__}: {error})")
+    if not callable(function):
+        fail(f"{flag} {spec!r}: not callable")
+    return function
 
 
 def enable_gradient_checkpointing(model) -> None:

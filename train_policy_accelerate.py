@@ -27,7 +27,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 import numpy as np
 import torch
@@ -53,8 +53,14 @@ class AdaptiveKLParams:
 
 @dataclass
 class RewardHParams:
-    trained_model: str = tyro.MISSING
+    trained_model: Annotated[
+        Optional[str], tyro.conf.arg(help_behavior_hint="(required unless --rewards.function)")
+    ] = None
     """reward model directory written by train_reward_accelerate.py (OUTPUT_DIR/reward_model)"""
+    function: Optional[str] = None
+    """direct RL: train against a known reward instead of a reward model — `sentiment` or `descriptiveness` (a
+    simulated labeler's score of the response), or `module:callable`, called with the decoded queries and responses
+    (two lists of str) and returning one number per pair; truncation and the penalty as with a reward model"""
     kl_coef: float = 0.15
     """initial coefficient of the per-token KL penalty, beta"""
     use_adaptive_kl: bool = True
@@ -549,6 +555,8 @@ def decode(tokenizer, tokens: torch.Tensor) -> list[str]:
 def validate_args(args: Args) -> Args:
     """Derive every per-process size in one place and reject inconsistent flags before anything is loaded."""
     run_utils.check_run_args(args)
+    if (args.rewards.trained_model is None) == (args.rewards.function is None):
+        run_utils.fail("give one of --rewards.trained-model (a reward model directory) and --rewards.function")
     ppo, processes = args.ppo, args.world_size
     args.local_batch_size = run_utils.exact_div(ppo.batch_size, processes, "--ppo.batch-size / number of processes")
     args.local_mini_batch_size = run_utils.exact_div(
@@ -594,7 +602,10 @@ def read_inputs(args: Args):
         tokenizer, config = load_tokenizer(args.base_model), config_without_dropout(args.base_model)
     run_utils.require_causal_lm(config, args.base_model, "--base-model")
     truncate_token_id(tokenizer, task)
-    check_reward_model(args.rewards.trained_model, tokenizer)
+    if args.rewards.function is None:
+        check_reward_model(args.rewards.trained_model, tokenizer)
+    else:
+        RewardFunction(args.rewards.function, tokenizer)  # its module imports, its labeler's package is installed
     texts = None
     if query_texts:
         texts = rlhf_data.QueryTexts.of_task(task)
@@ -629,6 +640,30 @@ def load_reward_model(directory: str) -> RewardModel:
     missing, unexpected = model.load_state_dict(load_file(Path(directory, "reward_head.safetensors")), strict=False)
     assert not unexpected and all(key.startswith("backbone.") for key in missing), (missing, unexpected)
     return model
+
+
+class RewardFunction(nn.Module):
+    """--rewards.function: a known reward in place of a trained reward model (the paper's direct RL against its mock
+    sentiment reward): scores of the decoded queries and responses, as a reward model's (B,) in float32."""
+
+    def __init__(self, spec: str, tokenizer):
+        super().__init__()
+        self.spec, self.tokenizer, self.pad_id = spec, tokenizer, tokenizer.pad_token_id
+        if spec in ("sentiment", "descriptiveness"):
+            package = {"sentiment": "vaderSentiment", "descriptiveness": "textblob"}[spec]
+            run_utils.require_package(package, package, f"--rewards.function {spec}")
+            self.function = lambda queries, responses: simulated_labeler_scores(spec, responses)
+        else:
+            self.function = run_utils.import_callable(spec, "--rewards.function")
+
+    def forward(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        scores = self.function(decode(self.tokenizer, queries), decode(self.tokenizer, responses))
+        scores = torch.as_tensor(np.asarray(scores, dtype=np.float32), device=responses.device)
+        if scores.shape != (len(responses),):
+            run_utils.fail(
+                f"--rewards.function {self.spec}: returned {tuple(scores.shape)} scores for {len(responses)} responses"
+            )
+        return scores
 
 
 class AdaptiveKLController:
@@ -960,15 +995,18 @@ def evaluate_gold(
     return metrics
 
 
-def load_models(args: Args, device) -> tuple[PolicyAndValueWrapper, nn.Module, RewardModel]:
+def load_models(args: Args, tokenizer, device) -> tuple[PolicyAndValueWrapper, nn.Module, nn.Module]:
     """The policy (the base model with a value head), the frozen reference policy (the same base model) and the
-    frozen reward model; the last two on `device` (accelerator.prepare places the policy)."""
+    frozen reward model (or --rewards.function); the last two on `device` (accelerator.prepare places the policy)."""
     torch.manual_seed(args.seed)  # the value head's init: random only with --no-zero-value-head
     with run_utils.flag_errors("--base-model", args.base_model, "cannot load its weights"):
         policy = PolicyAndValueWrapper(load_pretrained(AutoModelForCausalLM, args.base_model), args.zero_value_head)
         ref_lm = load_pretrained(AutoModelForCausalLM, args.base_model).to(device).eval()
-    with run_utils.flag_errors("--rewards.trained-model", args.rewards.trained_model, "cannot load its weights"):
-        reward_model = load_reward_model(args.rewards.trained_model).to(device).eval()
+    if args.rewards.function is not None:
+        reward_model = RewardFunction(args.rewards.function, tokenizer)
+    else:
+        with run_utils.flag_errors("--rewards.trained-model", args.rewards.trained_model, "cannot load its weights"):
+            reward_model = load_reward_model(args.rewards.trained_model).to(device).eval()
     if args.gradient_checkpointing:
         run_utils.enable_gradient_checkpointing(policy.lm)
     return policy, ref_lm.requires_grad_(False), reward_model.requires_grad_(False)
@@ -1006,7 +1044,7 @@ def main(args: Args) -> None:
         return
     run_utils.setup_device(accelerator, args.allow_tf32)
     device = accelerator.device
-    policy, ref_lm, reward_model = load_models(args, device)
+    policy, ref_lm, reward_model = load_models(args, tokenizer, device)
     optimizer = make_optimizer(policy.parameters(), ppo.lr, ppo.eps, args.use_tensorflow_adam)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     unwrapped = accelerator.unwrap_model(policy)

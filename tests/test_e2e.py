@@ -220,6 +220,20 @@ def short_policy_flags(assets, reward_run, output_dir, *extra):
                         "--ppo.batch-size", "16", *extra)  # fmt: skip
 
 
+def test_direct_rl_against_a_reward_function_loads_no_reward_model(tiny_assets, tmp_path):
+    """--rewards.function module:callable in place of --rewards.trained-model: a whole run whose every score is the
+    function's (0.25; no rejection sampling, so no penalty stands in for it)."""
+    (tmp_path / "constant_reward.py").write_text("def score(queries, responses):\n    return [0.25] * len(responses)\n")
+    flags = policy_flags(tiny_assets, "unused", tmp_path / "run", "--ppo.total-episodes", "32", "--ppo.batch-size",
+                         "16", "--task.no-rejection-sampling", "--rewards.function", "constant_reward:score")  # fmt: skip
+    index = flags.index("--rewards.trained-model")
+    del flags[index : index + 2]
+    result = run_script(POLICY, *flags, env={"PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [row for row in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "objective/scores" in row]
+    assert len(rows) == 2 and all(row["objective/scores"] == 0.25 for row in rows)
+
+
 def test_policy_same_seed_twice_is_identical(tiny_assets, reward_run, tmp_path):
     for name in ("first", "second"):
         result = run_script(POLICY, *short_policy_flags(tiny_assets, reward_run, tmp_path / name))

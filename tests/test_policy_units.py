@@ -6,6 +6,7 @@ derivation is in the comment next to it).
 """
 
 import math
+import sys
 import types
 
 import numpy as np
@@ -110,6 +111,73 @@ def test_no_rejection_sampling_scores_every_response_whole_and_never_penalizes()
     postprocessed, scores = P.score_responses(reward_model, queries, responses, DOT, args)
     assert scores.tolist() == [0.5, 0.5]
     assert torch.equal(postprocessed, responses) and torch.equal(reward_model.seen, torch.cat([queries, responses], 1))
+
+
+def write_reward_module(directory, body: str, monkeypatch) -> None:
+    """A user's reward module `user_rewards` in `directory`, on sys.path (and not the one an earlier test imported)."""
+    (directory / "user_rewards.py").write_text(body)
+    monkeypatch.syspath_prepend(str(directory))
+    monkeypatch.delitem(sys.modules, "user_rewards", raising=False)
+
+
+def test_reward_function_scores_the_decoded_texts_with_the_same_truncation_and_penalty(
+    gpt2_tokenizer_dir, tmp_path, monkeypatch
+):
+    """--rewards.function module:callable: called with the decoded (bare) queries and truncated responses, its scores
+    take a reward model's place in score_responses, where an uncut response still gets the penalty."""
+    tokenizer = P.load_tokenizer(str(gpt2_tokenizer_dir))
+    write_reward_module(tmp_path, "SEEN = []\ndef score(queries, responses):\n    SEEN.append((queries, responses))\n"
+                                  "    return [len(q) + 0.5 * len(r) for q, r in zip(queries, responses)]\n", monkeypatch)  # fmt: skip
+    function = P.RewardFunction("user_rewards:score", tokenizer)
+    args = P.Args()
+    args.task = P.TaskHParams(response_length=24, truncate_after=16, penalty_reward_value=-1.0)
+    responses = torch.tensor([response_with_dots(18), response_with_dots(10)])  # cut after 18; never cut
+    queries = torch.tensor([[PAD, 15496, 995], [15496, 995, 11]])  # "Hello world", "Hello world,"
+    postprocessed, scores = P.score_responses(function, queries, responses, DOT, args)
+    seen_queries, seen_responses = __import__("user_rewards").SEEN[0]
+    assert seen_queries == ["Hello world", "Hello world,"]
+    assert seen_responses == tokenizer.batch_decode(postprocessed, skip_special_tokens=True)
+    assert scores.dtype == torch.float32
+    assert scores.tolist() == [11 + 0.5 * len(seen_responses[0]), -1.0]  # the second never cut: the penalty
+
+
+def test_reward_function_by_labeler_name_is_the_labelers_score_of_the_response(gpt2_tokenizer_dir):
+    tokenizer = P.load_tokenizer(str(gpt2_tokenizer_dir))
+    queries = tokenizer(["I hate it.", "So bad."], padding=True, return_tensors="pt")["input_ids"]
+    responses = tokenizer([" A wonderful, lovely day", " A terrible, awful day"], padding=True, return_tensors="pt")
+    responses = responses["input_ids"]
+    scores = P.RewardFunction("sentiment", tokenizer)(queries, responses)
+    expected = P.simulated_labeler_scores("sentiment", [" A wonderful, lovely day", " A terrible, awful day"])
+    assert scores.tolist() == pytest.approx(expected, abs=1e-6) and expected[0] > 0.5 > -0.5 > expected[1]
+
+
+@pytest.mark.parametrize(
+    ("spec", "body", "words"),
+    [
+        ("user_rewards", None, "expected module:callable"),
+        ("no_such_module:score", None, "cannot import it"),
+        ("user_rewards:missing", "x = 1\n", "cannot import it"),
+        ("user_rewards:x", "x = 1\n", "not callable"),
+    ],
+)
+def test_reward_function_that_cannot_be_used_is_one_line_naming_the_flag(
+    gpt2_tokenizer_dir, tmp_path, monkeypatch, spec, body, words
+):
+    if body is not None:
+        write_reward_module(tmp_path, body, monkeypatch)
+    with pytest.raises(SystemExit) as failure:
+        P.RewardFunction(spec, P.load_tokenizer(str(gpt2_tokenizer_dir)))
+    message = one_line_error(failure)
+    assert "--rewards.function" in message and spec in message and words in message
+
+
+def test_reward_function_returning_the_wrong_number_of_scores_is_one_line(gpt2_tokenizer_dir, tmp_path, monkeypatch):
+    write_reward_module(tmp_path, "def score(queries, responses):\n    return [1.0]\n", monkeypatch)
+    function = P.RewardFunction("user_rewards:score", P.load_tokenizer(str(gpt2_tokenizer_dir)))
+    with pytest.raises(SystemExit) as failure:
+        function(torch.tensor([[15496], [995]]), torch.tensor([[13], [11]]))
+    message = one_line_error(failure)
+    assert "--rewards.function user_rewards:score" in message and "(1,) scores for 2 responses" in message
 
 
 # ---------------------------------------------------------------------------------------------------------------

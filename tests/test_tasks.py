@@ -219,17 +219,24 @@ def test_help_shows_none_only_where_none_is_meant(module, capsys):
     assert {flag for flag, default in shown.items() if default == "None"} == NONE_BY_DESIGN | extra
 
 
-def test_the_reward_model_flag_is_required(capsys):
-    """--help says (required), not (default: None); without the flag tyro stops before anything runs, naming it."""
+def test_the_reward_model_flag_is_required_unless_a_reward_function_is_given(capsys, tmp_path):
+    """--help says (required unless --rewards.function), not (default: None); with neither flag, or both, the script
+    stops with one line naming them, before anything loads."""
     with pytest.raises(SystemExit):
         run_utils.task_cli(P.task_defaults, ["--help"])
     help_text = " ".join(line.strip("│ ") for line in capsys.readouterr().out.splitlines())
     assert re.search(
-        r"--rewards\.trained-model STR +reward model directory .{0,120}\(required\) +--rewards\.kl-coef", help_text
+        r"--rewards\.trained-model \S+ +reward model directory .{0,120}\(required unless --rewards\.function\) +"
+        r"--rewards\.function",
+        help_text,
     )
-    with pytest.raises(SystemExit) as failure:
-        run_utils.task_cli(P.task_defaults, ["--dry-run"])
-    assert failure.value.code != 0 and "--rewards.trained-model" in capsys.readouterr().err
+    assert "(default: None)" not in help_text.split("--rewards.trained-model")[1].split("--rewards.function")[0]
+    for flags in ([], ["--rewards.trained-model", str(tmp_path), "--rewards.function", "sentiment"]):
+        args = run_utils.task_cli(P.task_defaults, ["--dry-run", *flags])
+        with pytest.raises(SystemExit) as failure:
+            P.validate_args(args)
+        message = str(failure.value.code)
+        assert "\n" not in message and "--rewards.trained-model" in message and "--rewards.function" in message
 
 
 # ---------------------------------------------------------------------------------------------------------------
