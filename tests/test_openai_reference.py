@@ -23,14 +23,15 @@ from conftest import REPO, read_jsonl, run_script, script_command, script_enviro
 
 from benchmark import side_by_side as S
 from benchmark.openai_bridge import reward_model_arrays, reward_model_from_openai, trunk_from_openai, trunk_to_openai
-from benchmark.tiny_task import synthetic_sentences, write_tiny_gpt2
+from benchmark.tiny_task import synthetic_sentences
 
 REFERENCE = REPO / "benchmark" / "openai_reference"
 SETTINGS = json.loads((REFERENCE / "settings.json").read_text())
 
-REWARD_RTOL = 2e-3  # every step's loss, the normalizations (measured: <= 2.1e-4 on 1 rank, 1.0e-4 on 2)
-UPDATE1_RTOL, UPDATE1_ATOL = 2e-4, 1e-7  # every stat of update 1 (measured: <= 2.1e-5, in ppo/policy/approxkl)
-TEACHER_RTOL, TEACHER_ATOL = 1e-3, 1e-6  # each of 12 teacher-forced updates (measured: <= 1.0e-4)
+REWARD_RTOL = 2e-3  # every step's loss, the normalizations (measured: <= 9.3e-4 on 1 rank, 6.2e-5 on 2)
+# every stat of update 1 (measured: <= 1.1e-5, and 7.9e-4 of ppo/val/var_explained = -1.1e-4, 9e-8 absolute)
+UPDATE1_RTOL, UPDATE1_ATOL = 2e-4, 1e-7
+TEACHER_RTOL, TEACHER_ATOL = 1e-3, 1e-6  # each of 12 teacher-forced updates (measured: <= 2.9e-4, clip fractions aside)
 CURVE_Z = 4.0  # the free-running test: |our mean - OpenAI's| in standard errors (a real defect moves it by far more)
 OUR_SEEDS = 2  # free-running seeds run here (of the 10 a side in the side-by-side)
 
@@ -48,7 +49,7 @@ def assets(gpt2_tokenizer_dir, tmp_path_factory) -> Path:
     shutil.copytree(gpt2_tokenizer_dir, root / "tokenizer")
     corpus = synthetic_sentences(S.CORPUS["lines"], S.CORPUS["seed"])
     (root / "corpus.txt").write_text("\n".join(corpus) + "\n")
-    write_tiny_gpt2(root / "base", root / "tokenizer", corpus, **S.BASE_MODEL)
+    S.write_base_model(root)
     (root / "labels.json").write_bytes(gzip.decompress((REFERENCE / "labels.json.gz").read_bytes()))
     return root
 
@@ -62,7 +63,9 @@ def test_the_base_model_is_rebuilt_bit_for_bit(assets):
 def run_reward(assets: Path, ranks: int, out: Path):
     flags = [*S.our_reward_flags(assets), "--output-dir", str(out)]
     samples = REFERENCE / f"reward_ranks_{ranks}" / "samples.npz"
-    result = run_script("benchmark/replay.py", "train_reward_accelerate.py", str(samples), *flags, nproc=ranks)
+    result = run_script(
+        "benchmark/replay.py", "train_reward_accelerate.py", str(samples), *flags, nproc=ranks, env=S.SAME_KERNELS
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return read_jsonl(out / "metrics.jsonl")
 
@@ -101,7 +104,9 @@ def test_reward_model_training_matches_openai_two_ranks(assets, tmp_path):
 def run_policy(assets: Path, name: str, updates: int, ranks: int, nminibatches: int, out: Path) -> dict[int, dict]:
     flags = [*S.our_policy_flags(assets, updates, nminibatches=nminibatches, ranks=ranks), "--output-dir", str(out)]
     replay = REFERENCE / name / "replay.npz"
-    result = run_script("benchmark/replay.py", "train_policy_accelerate.py", str(replay), *flags, nproc=ranks)
+    result = run_script(
+        "benchmark/replay.py", "train_policy_accelerate.py", str(replay), *flags, nproc=ranks, env=S.SAME_KERNELS
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return {row["update"]: row for row in read_jsonl(out / "metrics.jsonl") if "objective/kl" in row}
 
@@ -109,10 +114,15 @@ def run_policy(assets: Path, name: str, updates: int, ranks: int, nminibatches: 
 def check_policy(ours: dict[int, dict], name: str, rtol: float, atol: float) -> None:
     openai = read_jsonl(REFERENCE / name / "openai.jsonl")
     assert sorted(ours) == [row["update"] for row in openai]
+    # a clip fraction counts tokens: one whose ratio or value sits on the clip boundary to float rounding counts on
+    # one side or the other (measured: 2 of the 1,536 tokens of a teacher-forced update, 0 against 1.3e-3); allowed:
+    # one token in each epoch
+    one_token_per_epoch = 1 / (S.POLICY["batch_size"] * S.TASK["response_length"])
     for row in openai:
         for key in S.POLICY_STATS:
             mine = ours[row["update"]][S.OUR_NAMES.get(key, key)]
-            assert mine == pytest.approx(row[key], rel=rtol, abs=atol), (row["update"], key)
+            absolute = max(atol, one_token_per_epoch) if key.endswith("clipfrac") else atol
+            assert mine == pytest.approx(row[key], rel=rtol, abs=absolute), (row["update"], key)
 
 
 @pytest.mark.parametrize(("ranks", "nminibatches"), S.UPDATE1_CONFIGS)
