@@ -55,15 +55,17 @@ def test_the_readme_snippet_scores_query_response_texts(reward_model_dir):
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
     reward_model = load_reward_model(directory).eval()
-    pairs = [("He opened the letter.", " It was wonderful news."), ("He opened the door", " and left.")]
-    ids = [torch.tensor(tokenizer.encode(q, add_special_tokens=False) + tokenizer.encode(r, add_special_tokens=False))
-           for q, r in pairs]  # fmt: skip
-    batch = torch.nn.utils.rnn.pad_sequence(ids, batch_first=True, padding_value=tokenizer.pad_token_id)
+    queries, responses = ["He opened the letter.", "He opened the door"], [" It was wonderful news.", " and left."]
+
+    def padded(texts):  # token ids, padded with the pad id (anywhere: the reward model moves pads out of the way)
+        ids = [torch.tensor(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
+        return torch.nn.utils.rnn.pad_sequence(ids, batch_first=True, padding_value=tokenizer.pad_token_id)
+
     with torch.no_grad():
-        scores = reward_model(batch)  # one normalized reward per (query, response)
+        scores = reward_model(padded(queries), padded(responses))  # one normalized reward per (query, response)
     # ---
-    with torch.no_grad():
-        alone = torch.stack([model(row[None])[0] for row in ids])  # each pair unpadded, by the trained model
+    with torch.no_grad():  # each pair unpadded, by the trained model
+        alone = torch.stack([model(padded([q]), padded([r]))[0] for q, r in zip(queries, responses, strict=True)])
     torch.testing.assert_close(scores, alone, atol=1e-5, rtol=0)
     assert scores[0] != scores[1]
 
