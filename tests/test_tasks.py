@@ -208,14 +208,14 @@ def test_help_shows_the_tasks_defaults(module, task, capsys):
 
 
 NONE_BY_DESIGN = {"--wandb-entity", "--output-dir", "--peak-tflops", "--hf-repo-id", "--task.query-dataset-config"}
-"""The flags whose default is really None (not set), in both scripts; the policy adds one."""
+"""The flags whose default is really None (not set), in both scripts; the policy adds two."""
 
 
 @pytest.mark.parametrize("module", [R, P], ids=["reward", "policy"])
 def test_help_shows_none_only_where_none_is_meant(module, capsys):
     shown = help_defaults(module, capsys)
     assert len(shown) > 40 and shown["--seed"] == "1"
-    extra = {"--task.gold-labeler"} if module is P else set()
+    extra = {"--task.gold-labeler", "--rewards.function"} if module is P else set()
     assert {flag for flag, default in shown.items() if default == "None"} == NONE_BY_DESIGN | extra
 
 
