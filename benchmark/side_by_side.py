@@ -55,10 +55,6 @@ BASE_MODEL = dict(steps=600, lr=1e-3, seed=0)
 """benchmark/tiny_task.py's recipe: lr 1e-3 for 600 steps leaves the last hidden states varying across inputs (the
 tests' lr 1e-2 for 150 steps grows an input-independent residual of norm ~170 in block 0, which squeezes a fresh
 reward head's outputs into a std of 0.004 around -1.4: float32's E[r^2] - mean^2 then loses 1% of the variance)."""
-SAME_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
-"""Every process of this project's side runs with these: torch's vectorized kernels and MKL's matmuls then take their
-AVX2 code paths on any x86 CPU, so that the base model rebuilt in float64 and both trained models round alike on
-CPUs with and without AVX-512 (the reference data was written on one; the tests run on the other as well)."""
 LABELS = dict(num_train=2048, num_test=256, seed=1)
 REWARD = dict(batch_size=32, lr=3e-3, rollout_batch_size=64, normalize_samples=64)
 POLICY = dict(batch_size=32, lr=1e-4, noptepochs=4, kl_coef=0.15, kl_target=1.0, kl_horizon=640)
@@ -174,16 +170,17 @@ def run_ours(script: str, flags: list[str], out: Path, processes: int = 1, repla
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
                    *target, *flags]  # fmt: skip
     environment = {**os.environ, "ACCELERATE_USE_CPU": "true", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
-                   **SAME_KERNELS, **({"OMP_NUM_THREADS": "1"} if processes > 1 else {})}  # fmt: skip
+                   **({"OMP_NUM_THREADS": "1"} if processes > 1 else {})}  # fmt: skip
     return run_logged(command, out / "log.txt", environment)
 
 
-def write_base_model(assets: Path) -> None:
-    """assets/base: benchmark/tiny_task.py's GPT-2 trained on assets/corpus.txt, in a process with SAME_KERNELS."""
+def write_base_model(assets: Path, kernels: Optional[dict] = None) -> None:
+    """assets/base: benchmark/tiny_task.py's GPT-2 trained on assets/corpus.txt, in a process of its own (one thread;
+    `kernels`: environment variables such as MKL_CBWR, to check that other code paths give the same bytes)."""
     code = ("import sys; from pathlib import Path; from benchmark.tiny_task import write_tiny_gpt2; "
             "a = Path(sys.argv[1]); write_tiny_gpt2(a / 'base', a / 'tokenizer', "
             f"(a / 'corpus.txt').read_text().splitlines(), **{BASE_MODEL!r})")  # fmt: skip
-    environment = {**os.environ, **SAME_KERNELS, "PYTHONPATH": str(REPO)}
+    environment = {**os.environ, **(kernels or {}), "PYTHONPATH": str(REPO)}
     subprocess.run([sys.executable, "-c", code, str(assets)], check=True, env=environment, cwd=REPO)
 
 

@@ -4,10 +4,14 @@ A corpus of short sentences over a 23-word vocabulary (sentiment words among the
 GPT-2's real 50,257-token vocabulary that has learned that corpus a little: it writes its words and ends sentences
 with '.', so truncation after '.' and a sentiment labeler both have something to work with.
 
-The model is a pure function of its arguments on any x86 or ARM CPU: initialized from numpy's seeded legacy
-generator, trained in float64 on one thread and only then rounded to float32 (float64 summation-order differences
-between CPUs, ~1e-16, vanish in that rounding). This is what lets a CI machine rebuild the exact weights that
-OpenAI's code saw on another machine (benchmark/openai_reference/). Cheap on CPU: the embedding rows of tokens
+The model is a pure function of its arguments on any CPU: initialized from numpy's seeded legacy generator, trained
+in float64 on one thread, and every weight put on a grid of 2^-16 after every step (GRID). CPUs differ in the last
+bits of float64 sums (matmul kernels of other widths and vendors: measured on an AVX2 EPYC and an AVX-512 Xeon), and
+training amplifies such bits step after step until float32 sees them; on the grid, a step's ~1e-18 difference changes
+a weight only if it lands within 1e-18 of a grid midpoint (odds ~1e-13 per weight and step), so every CPU lands on
+the same weights. This is what lets a CI machine rebuild the exact weights that OpenAI's code saw on another machine
+(benchmark/openai_reference/). Adam's steps (~lr: 65 grid units at 1e-3) are what the grid keeps.
+Cheap on CPU: the embedding rows of tokens
 outside the corpus are 0, so their logits are exactly 0 and the full-vocabulary softmax needs only the corpus's ~40
 logits plus a constant (V - 40) * exp(0).
 """
@@ -25,6 +29,8 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 WORDS = "the a cat dog sat on mat happy sad good bad great terrible house river tree bird sun moon ran saw big small".split()
 TINY_GPT2 = dict(n_layer=2, n_head=4, n_embd=64, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 """The tiny model's shape (GPT-2's vocabulary; 256 positions), without dropout (the training scripts remove it too)."""
+GRID = 2.0**-16
+"""Every weight of the tiny model is a multiple of this after every training step (module docstring)."""
 
 
 def synthetic_sentences(n: int, seed: int) -> list[str]:
@@ -71,6 +77,7 @@ def write_tiny_gpt2(
     windows = local_ids[: len(ids) // 48 * 48].view(-1, 48)
     others = [param for param in model.parameters() if param is not embedding]
     optimizer = torch.optim.Adam([rows_trained, *others], lr=lr, foreach=False)
+    on_grid(rows_trained, *others)
     for _ in range(steps):
         rows = windows[torch.from_numpy(rng.randint(len(windows), size=batch))]
         hidden = model.transformer(inputs_embeds=F.embedding(rows, rows_trained)).last_hidden_state[:, :-1]
@@ -81,6 +88,7 @@ def write_tiny_gpt2(
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        on_grid(rows_trained, *others)
     with torch.no_grad():
         embedding.zero_()
         embedding[vocabulary] = rows_trained
@@ -88,3 +96,11 @@ def write_tiny_gpt2(
     model.float().save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+@torch.no_grad()
+def on_grid(*params: torch.Tensor) -> None:
+    """Round each weight to the nearest multiple of GRID (exact in float64: a power of two, and |weight| << 2^36);
+    + 0.0 turns the -0.0 of a tiny negative weight into 0.0 (the same number, other bytes)."""
+    for param in params:
+        param.copy_(torch.round(param / GRID) * GRID + 0.0)

@@ -60,12 +60,20 @@ def test_the_base_model_is_rebuilt_bit_for_bit(assets):
     assert digest == SETTINGS["base_model_sha256"]
 
 
+def test_other_cpu_kernels_rebuild_the_same_base_model(gpt2_tokenizer_dir, tmp_path):
+    """Other CPUs run other float64 kernels (vector widths, vendors' code paths); here the same CPU is made to take
+    other ones (MKL's SSE4.2 path, torch's scalar kernels) and must still land on the same bytes."""
+    shutil.copytree(gpt2_tokenizer_dir, tmp_path / "tokenizer")
+    (tmp_path / "corpus.txt").write_text("\n".join(synthetic_sentences(S.CORPUS["lines"], S.CORPUS["seed"])) + "\n")
+    S.write_base_model(tmp_path, kernels={"MKL_CBWR": "SSE4_2", "ATEN_CPU_CAPABILITY": "default"})
+    digest = hashlib.sha256((tmp_path / "base" / "model.safetensors").read_bytes()).hexdigest()
+    assert digest == SETTINGS["base_model_sha256"]
+
+
 def run_reward(assets: Path, ranks: int, out: Path):
     flags = [*S.our_reward_flags(assets), "--output-dir", str(out)]
     samples = REFERENCE / f"reward_ranks_{ranks}" / "samples.npz"
-    result = run_script(
-        "benchmark/replay.py", "train_reward_accelerate.py", str(samples), *flags, nproc=ranks, env=S.SAME_KERNELS
-    )
+    result = run_script("benchmark/replay.py", "train_reward_accelerate.py", str(samples), *flags, nproc=ranks)
     assert result.returncode == 0, result.stderr[-3000:]
     return read_jsonl(out / "metrics.jsonl")
 
@@ -104,9 +112,7 @@ def test_reward_model_training_matches_openai_two_ranks(assets, tmp_path):
 def run_policy(assets: Path, name: str, updates: int, ranks: int, nminibatches: int, out: Path) -> dict[int, dict]:
     flags = [*S.our_policy_flags(assets, updates, nminibatches=nminibatches, ranks=ranks), "--output-dir", str(out)]
     replay = REFERENCE / name / "replay.npz"
-    result = run_script(
-        "benchmark/replay.py", "train_policy_accelerate.py", str(replay), *flags, nproc=ranks, env=S.SAME_KERNELS
-    )
+    result = run_script("benchmark/replay.py", "train_policy_accelerate.py", str(replay), *flags, nproc=ranks)
     assert result.returncode == 0, result.stderr[-3000:]
     return {row["update"]: row for row in read_jsonl(out / "metrics.jsonl") if "objective/kl" in row}
 
