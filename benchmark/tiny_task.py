@@ -10,10 +10,9 @@ bits of float64 sums (matmul kernels of other widths and vendors: measured on an
 training amplifies such bits step after step until float32 sees them; on the grid, a step's ~1e-18 difference changes
 a weight only if it lands within 1e-18 of a grid midpoint (odds ~1e-13 per weight and step), so every CPU lands on
 the same weights. This is what lets a CI machine rebuild the exact weights that OpenAI's code saw on another machine
-(benchmark/openai_reference/). Adam's steps (~lr: 65 grid units at 1e-3) are what the grid keeps.
-Cheap on CPU: the embedding rows of tokens
-outside the corpus are 0, so their logits are exactly 0 and the full-vocabulary softmax needs only the corpus's ~40
-logits plus a constant (V - 40) * exp(0).
+(benchmark/openai_reference/). Adam's steps (~lr: 65 grid units at 1e-3) are what the grid keeps. Cheap on CPU: the
+embedding rows of tokens outside the corpus are 0, so their logits are exactly 0 and the full-vocabulary softmax
+needs only the corpus's ~40 logits plus a constant (V - 40) * exp(0).
 """
 
 import math
