@@ -528,6 +528,10 @@ class RewardModel(nn.Module):
         return hidden[torch.arange(batch, device=tokens.device)[:, None], last]  # (B, n, d_model)
 
 
+LABELER_PACKAGES = {"sentiment": "vaderSentiment", "descriptiveness": "textblob"}
+"""each simulated labeler's package (its import name is its pip name): checked before any model loads"""
+
+
 def simulated_labeler_scores(labeler: str, texts: list[str]) -> list[float]:
     """Offline stand-ins for OAI's human labelers: `sentiment` = VADER compound score in [-1, 1]; `descriptiveness` =
     share of adjective/adverb tags (textblob's offline PatternTagger) among the words."""
@@ -581,7 +585,7 @@ def validate_args(args: Args) -> Args:
     run_utils.require_positive(args, *positive)
     if args.task.gold_labeler is not None:
         run_utils.require_positive(args, "eval_queries", "eval_samples_per_query")
-        package = {"sentiment": "vaderSentiment", "descriptiveness": "textblob"}[args.task.gold_labeler]
+        package = LABELER_PACKAGES[args.task.gold_labeler]
         run_utils.require_package(package, package, f"--task.gold-labeler {args.task.gold_labeler}")
     args.num_updates = math.ceil(ppo.total_episodes / ppo.batch_size)
     return args
@@ -649,8 +653,8 @@ class RewardFunction(nn.Module):
     def __init__(self, spec: str, tokenizer):
         super().__init__()
         self.spec, self.tokenizer, self.pad_id = spec, tokenizer, tokenizer.pad_token_id
-        if spec in ("sentiment", "descriptiveness"):
-            package = {"sentiment": "vaderSentiment", "descriptiveness": "textblob"}[spec]
+        if spec in LABELER_PACKAGES:
+            package = LABELER_PACKAGES[spec]
             run_utils.require_package(package, package, f"--rewards.function {spec}")
             self.function = lambda queries, responses: simulated_labeler_scores(spec, responses)
         else:

@@ -477,6 +477,10 @@ class RewardModel(nn.Module):
         return hidden[torch.arange(batch, device=tokens.device)[:, None], last]  # (B, n, d_model)
 
 
+LABELER_PACKAGES = {"sentiment": "vaderSentiment", "descriptiveness": "textblob"}
+"""each simulated labeler's package (its import name is its pip name): checked before any model loads"""
+
+
 def simulated_labeler_scores(labeler: str, texts: list[str]) -> list[float]:
     """Offline stand-ins for OAI's human labelers: `sentiment` = VADER compound score in [-1, 1]; `descriptiveness` =
     share of adjective/adverb tags (textblob's offline PatternTagger) among the words."""
@@ -529,8 +533,8 @@ def validate_args(args: Args) -> Args:
     if args.labels.source != "file":
         if args.labels.simulated_num_test < args.batch_size:
             run_utils.fail("--labels.simulated-num-test must hold at least one --batch-size of records")
-        package = {"sentiment": ("vaderSentiment", "vaderSentiment"), "descriptiveness": ("textblob", "textblob")}
-        run_utils.require_package(*package[args.labels.source], f"--labels.source {args.labels.source}")
+        package = LABELER_PACKAGES[args.labels.source]
+        run_utils.require_package(package, package, f"--labels.source {args.labels.source}")
     return args
 
 
