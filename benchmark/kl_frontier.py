@@ -32,6 +32,9 @@ from typing import Optional
 import numpy as np
 import tyro
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import run_utils  # noqa: E402
+
 SCORES = ("gold_score", "rm_score")
 
 
@@ -143,11 +146,8 @@ def main(args: Args) -> None:
     result = frontier(read_samples(args.samples, args.update), args.betas)
     print_tables(result)
     if args.out:
-        path = Path(args.out)
-        temporary = path.with_name(path.name + ".tmp")
-        temporary.write_text(json.dumps(result, indent=1) + "\n")
-        temporary.replace(path)  # atomic: a finished file or none
-        print(f"\nwrote {path}")
+        run_utils.write_text_atomic(Path(args.out), json.dumps(result, indent=1) + "\n")  # a finished file or none
+        print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":
