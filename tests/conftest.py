@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from benchmark.tiny_task import synthetic_sentences, write_tiny_gpt2
@@ -15,6 +16,23 @@ from quickstart_assets import prepare_gpt2_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 """The repository root."""
+
+# `.ci/run` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`). Each worker, and each script it
+# starts, gets one thread of the two cores; each test file runs whole on one worker, so its module fixtures are built
+# once; the files listed first start first, so that both workers end about together.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+SLOWEST_FILES = ("test_openai_reference.py", "test_deepspeed.py", "test_e2e.py", "test_resume.py", "test_slurm.py",
+                 "test_slurm_two_nodes.py", "test_quickstart.py", "test_gpu_bundle.py", "test_throughput.py")  # fmt: skip
+SHARED_WORKER = {"test_slurm_two_nodes.py": "test_slurm.py"}  # both start Slurm's daemons on this machine
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(SHARED_WORKER.get(item.path.name, item.path.name)))
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order is kept
 
 
 def tracked_files() -> list[Path]:

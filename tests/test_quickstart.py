@@ -268,7 +268,9 @@ def test_ctrl_c_keeps_the_work_and_the_same_command_continues(when, tiny_assets,
     output_dir = tmp_path / "quickstart"
     command = tiny_quickstart(tiny_assets, output_dir, updates=12)
     log_path = tmp_path / "first.log"
-    process = subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    # SIGINT at its default, as under a terminal (a shell's background job, as CI may be, starts with it ignored)
+    process = subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     metrics, deadline = output_dir / "policy" / "metrics.jsonl", time.time() + 240
 
     def reached() -> bool:
