@@ -19,6 +19,12 @@ optimizing the learned reward gives on the true one.
 Best-of-n (KL = log n - (n - 1) / n): the expected gold score of the sample that the selector (gold or reward model)
 ranks best among n drawn without replacement from the N, computed exactly over all n-subsets from the ranks: the
 sample ranked i-th lowest of N is the best of a random n-subset with probability C(i - 1, n - 1) / C(N, n).
+
+Gao, Schulman & Hilton (2022)'s functional forms, with d = sqrt(KL), for the gold score's gain over the initial
+policy: best-of-n d (alpha - beta d), RL d (alpha - beta log d). Both are linear in (alpha, beta), so `fit_gao` fits
+them by least squares on the points in the lower half of the KL range (KL <= half the largest) and reports how well
+they predict the upper half, Gao's own test. Here the best-of-n curves are fitted; PPO runs' evaluation traces are
+fitted the same way.
 """
 
 import json
@@ -102,6 +108,26 @@ def best_of_n(selector: np.ndarray, evaluated: np.ndarray, n: int) -> float:
     return float(np.mean(ranked @ chance))
 
 
+def fit_gao(kls, gains, form: str) -> Optional[dict[str, float]]:
+    """Gao et al.'s form ("bon": d (alpha - beta d), "rl": d (alpha - beta log d), d = sqrt(KL)) fitted by least
+    squares to the (KL, gold gain) points with KL <= half the largest KL: alpha, beta, the fit's RMS error and, on the
+    points above, the prediction's RMS and largest error. None with fewer than 2 points above KL 0 to fit or none to
+    predict."""
+    kls, gains = np.asarray(kls, dtype=float), np.asarray(gains, dtype=float)
+    d = np.sqrt(kls)
+    shape = d * d if form == "bon" else d * np.log(np.maximum(d, 1e-300))  # the term beta multiplies (d log d -> 0)
+    design = np.stack([d, -shape], 1)  # gain = alpha d - beta shape
+    lower = kls <= kls.max() / 2
+    if (lower & (kls > 0)).sum() < 2 or lower.all():  # at KL 0 both forms are 0: that point tells nothing
+        return None
+    (alpha, beta), *_ = np.linalg.lstsq(design[lower], gains[lower], rcond=None)
+    error = design @ np.array([alpha, beta]) - gains
+    return dict(alpha=float(alpha), beta=float(beta), fitted_points=int(lower.sum()),
+                fit_rmse=float(np.sqrt(np.mean(error[lower] ** 2))), predicted_points=int((~lower).sum()),
+                prediction_rmse=float(np.sqrt(np.mean(error[~lower] ** 2))),
+                prediction_max_error=float(np.max(np.abs(error[~lower]))))  # fmt: skip
+
+
 def frontier(by_query: dict[int, dict[str, np.ndarray]], betas) -> dict[str, list[dict]]:
     gold = np.stack([scores["gold_score"] for scores in by_query.values()])
     rm = np.stack([scores["rm_score"] for scores in by_query.values()])
@@ -121,6 +147,11 @@ def frontier(by_query: dict[int, dict[str, np.ndarray]], betas) -> dict[str, lis
             for n in ns
         ],
     )
+    kls = [row["kl"] for row in tables["best_of_n"]]
+    tables["gao_fits"] = {
+        selector: fit_gao(kls, [row[f"gold_by_{selector}"] - gold.mean() for row in tables["best_of_n"]], "bon")
+        for selector in ("gold", "rm")
+    }
     return dict(queries=gold.shape[0], samples_per_query=size, **tables)
 
 
@@ -138,6 +169,14 @@ def print_tables(result: dict) -> None:
     for row in result["best_of_n"]:
         print(f"{row['n']:>5} {row['kl']:>7.3f} {row['gold_by_gold']:>14.4f} {row['gold_by_rm']:>12.4f} "
               f"{row['rm_by_rm']:>10.4f}")  # fmt: skip
+    print("\nbest-of-n's gold gain fitted by Gao et al.'s d (alpha - beta d), d = sqrt(KL), on KL <= half the largest")
+    for selector, fit in result["gao_fits"].items():
+        if fit is None:
+            print(f"  by {selector}: too few values of n to fit and predict (more samples per query)")
+            continue
+        print(f"  by {selector}: alpha {fit['alpha']:.4f} beta {fit['beta']:.4f}; fit RMSE {fit['fit_rmse']:.4f} on "
+              f"{fit['fitted_points']} points, predicting the other {fit['predicted_points']}: RMSE "
+              f"{fit['prediction_rmse']:.4f}, largest error {fit['prediction_max_error']:.4f}")  # fmt: skip
 
 
 def main(args: Args) -> None:

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 from conftest import REPO
 
-from benchmark.kl_frontier import best_of_n, optimum
+from benchmark.kl_frontier import best_of_n, fit_gao, optimum
 
 SCRIPT = str(REPO / "benchmark" / "kl_frontier.py")
 
@@ -51,6 +51,23 @@ def test_the_sampled_optimum_of_a_gaussian_reward_matches_its_closed_form():
     assert abs(narrow["kl"] - math.log(50_000)) < 1e-6 and abs(narrow["ess"] - 1) < 1e-6
 
 
+def test_gao_fits_recover_their_own_form_and_predict_the_upper_half():
+    kls = np.linspace(0.0, 16.0, 17)
+    d = np.sqrt(kls)
+    curves = {"bon": d * (0.9 - 0.2 * d), "rl": d * (0.9 - 0.2 * np.log(np.maximum(d, 1e-300)))}
+    for form, gains in curves.items():
+        fit = fit_gao(kls, gains, form)
+        assert abs(fit["alpha"] - 0.9) < 1e-9 and abs(fit["beta"] - 0.2) < 1e-9, (form, fit)
+        assert fit["fitted_points"] == 9 and fit["predicted_points"] == 8  # KL <= 8 of 0..16 (0 included)
+        assert fit["fit_rmse"] < 1e-9 and fit["prediction_max_error"] < 1e-9
+        other = fit_gao(kls, gains, "rl" if form == "bon" else "bon")  # the other form fits the lower half loosely
+        assert other["prediction_rmse"] > 0.05 and other["prediction_max_error"] >= other["prediction_rmse"], other
+    noisy = fit_gao(kls, curves["bon"] + np.random.default_rng(3).normal(0, 0.01, 17), "bon")
+    assert abs(noisy["alpha"] - 0.9) < 0.05 and 0 < noisy["prediction_rmse"] < 0.2
+    assert fit_gao([0.0, 1.0, 4.0], [0.0, 0.5, 1.0], "bon") is None  # one point above KL 0 to fit with
+    assert fit_gao([1.0, 1.0, 1.0], [0.1, 0.2, 0.3], "rl") is None  # nothing above half the largest KL to predict
+
+
 def write_eval_samples(path, queries=5, per_query=8):
     rng = np.random.default_rng(2)
     rows = []
@@ -65,14 +82,14 @@ def write_eval_samples(path, queries=5, per_query=8):
 
 
 def test_the_command_reads_update_0_and_writes_its_tables(tmp_path):
-    rows = write_eval_samples(tmp_path / "eval_samples.jsonl")
+    rows = write_eval_samples(tmp_path / "eval_samples.jsonl", per_query=16)
     out = tmp_path / "frontier.json"
     result = subprocess.run([sys.executable, SCRIPT, str(tmp_path / "eval_samples.jsonl"), "--betas", "1", "0.5",
                              "--out", str(out)], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert "5 queries x 8 samples" in result.stdout and "best-of-n" in result.stdout
+    assert "5 queries x 16 samples" in result.stdout and "best-of-n" in result.stdout
     frontier = json.loads(out.read_text())
-    assert [row["n"] for row in frontier["best_of_n"]] == [1, 2, 4, 8]
+    assert [row["n"] for row in frontier["best_of_n"]] == [1, 2, 4, 8, 16]
     gold = [row["gold_score"] for row in rows if row["update"] == 0]
     assert abs(frontier["best_of_n"][0]["gold_by_gold"] - np.mean(gold)) < 1e-9  # update 0's samples, not update 4's
     by_gold = [row["gold_by_gold"] for row in frontier["best_of_n"]]
@@ -81,6 +98,9 @@ def test_the_command_reads_update_0_and_writes_its_tables(tmp_path):
     )
     assert [row["beta"] for row in frontier["optimum_gold"]] == [1.0, 0.5]
     assert frontier["optimum_gold"][1]["kl"] > frontier["optimum_gold"][0]["kl"] > 0
+    fit = frontier["gao_fits"]["gold"]  # n = 1, 2, 4 (KL 0, 0.19, 0.64) fitted, n = 8, 16 (1.20, 1.84) predicted
+    assert fit["fitted_points"] == 3 and fit["predicted_points"] == 2 and fit["fit_rmse"] < 1e-9
+    assert f"by gold: alpha {fit['alpha']:.4f}" in result.stdout
 
 
 def test_bad_input_gets_one_line(tmp_path):
