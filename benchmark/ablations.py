@@ -1,6 +1,7 @@
 """Which implementation details matter: the full recipe and each detail switched off (one flag per arm, see
 docs/details.md), over several seeds, then one report: a table (gold and reward-model score gains with 95% CIs over
-seeds, paired with the full recipe by seed, final KL, approxkl, clip fraction, divergence) and one picture.
+seeds, paired with the full recipe by seed, final KL, approxkl, clip fraction, divergence), the gold gains at one
+matched KL, and one picture.
 
     python benchmark/ablations.py --scale cpu --dry-run                # every arm's commands, nothing runs
     python benchmark/ablations.py --scale cpu --num-seeds 3            # run them here, one seed after another
@@ -163,6 +164,7 @@ def read_run(run_dir: Path) -> Optional[dict]:
         "diverged": not all(math.isfinite(value) for value in values),  # unfinished is not diverged
         "kl_curve": [(row["episode"], row["objective/kl"]) for row in updates],
         "gold_curve": [(row["episode"], row["eval/gold_score"]) for row in rows if "eval/gold_score" in row],
+        "gold_kl_trace": [(row["eval/kl"], row["eval/gold_score"]) for row in rows if "eval/gold_score" in row],
     }
     if summary_path.exists():
         policy = json.loads(summary_path.read_text())["policy"]
@@ -177,6 +179,38 @@ def read_run(run_dir: Path) -> Optional[dict]:
                        rm_gain=last["eval/rm_score"] - first["eval/rm_score"], final_kl=last["eval/kl"],
                        minutes=updates[-1].get("elapsed/time", math.nan) / 60 if updates else math.nan)  # fmt: skip
     return run
+
+
+def gain_at_kl(trace: list[tuple[float, float]], kl: float) -> Optional[float]:
+    """The gold gain over the first evaluation at the moment the run's held-out KL first reached `kl`, linear between
+    the two evaluations around it; None if it never did. `trace`: (eval/kl, eval/gold_score) in training order."""
+    for (kl_a, gold_a), (kl_b, gold_b) in list(zip(trace, trace[1:], strict=False)) or [(trace[0], trace[0])]:
+        if kl_a <= kl <= kl_b:
+            return gold_a + (gold_b - gold_a) * ((kl - kl_a) / (kl_b - kl_a) if kl_b > kl_a else 0.0) - trace[0][1]
+    return None
+
+
+def matched_kl_table(runs: dict[str, dict[int, Optional[dict]]]) -> str:
+    """Gold gains compared at one KL (docs/ablations.md: an arm that drifts further buys more gold with more KL): at
+    the largest held-out KL every finished run reached, each arm's mean over seeds and its difference from the full
+    recipe, paired by seed."""
+    done = {name: {seed: run for seed, run in by_seed.items() if run is not None and "gold_gain" in run}
+            for name, by_seed in runs.items()}  # fmt: skip
+    reached = [max(kl for kl, _ in run["gold_kl_trace"]) for by_seed in done.values() for run in by_seed.values()]
+    if not reached or min(reached) <= 0:
+        return ""
+    kl = min(reached)
+    lines = [f"Gold gain at matched KL: {kl:.2f} nats, the largest held-out KL that every finished run reached (linear "
+             "between its evaluations).", "", "| arm | seeds | gold gain at that KL [95% CI] | minus full, paired "
+             "[95% CI] |", "|---|---|---|---|"]  # fmt: skip
+    full = {seed: gain_at_kl(run["gold_kl_trace"], kl) for seed, run in done.get("full", {}).items()}
+    for name, by_seed in done.items():
+        gains = {seed: gain_at_kl(run["gold_kl_trace"], kl) for seed, run in by_seed.items()}
+        mean, low, high = mean_ci(list(gains.values()))
+        pmean, plow, phigh = mean_ci([gain - full[seed] for seed, gain in gains.items() if seed in full])
+        paired = "—" if name == "full" else f"{pmean:+.3f} [{plow:+.3f}, {phigh:+.3f}]"
+        lines.append(f"| {name} | {len(gains)} | {mean:+.3f} [{low:+.3f}, {high:+.3f}] | {paired} |")
+    return "\n".join(lines) + "\n"
 
 
 def report(args: Args, arms: dict[str, Arm], out: Path) -> str:
@@ -210,6 +244,8 @@ def report(args: Args, arms: dict[str, Arm], out: Path) -> str:
             f"({average['approxkl_first']:.3f}) | {average['clipfrac']:.3f} | {diverged} of {len(by_seed)} | {average['minutes']:.1f} |"
         )
     table = "\n".join(lines) + "\n"
+    matched = matched_kl_table(runs)
+    table += "\n" + matched if matched else ""
     (out / "ablations.md").write_text(table)
     plot(runs, out / "ablations.png")
     return table

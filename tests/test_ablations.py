@@ -146,13 +146,28 @@ def test_report_pairs_each_arm_with_the_full_recipe_by_seed(tmp_path):
         fake_run(tmp_path / "fixed-kl" / f"seed_{seed}", arm, kl=20.0, approxkl=0.02, minutes=1.0 + seed)
     args = ablations.Args(arms=("fixed-kl",), num_seeds=3, output_dir=str(tmp_path))
     table = ablations.report(args, ablations.arms_of("cpu", args.arms), tmp_path)
-    rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()[2:]}
+    rows = {line.split(" | ")[0].strip("| "): line for line in table.split("\n\n")[0].splitlines()[2:]}
     assert "| 3 | +0.600 [+0.352, +0.848] | — |" in rows["full"]
     assert "| 3 | +0.200 [-0.048, +0.448] | -0.400 [-0.648, -0.152] |" in rows["fixed-kl"]
     assert "| 20.0 | +10.0 [+10.0, +10.0] | 0.0300 (0.020) | 0.100 | 0 of 3 | 3.0 |" in rows["fixed-kl"]
     assert "| 10.0 | — | 0.0150 (0.010) |" in rows["full"]
     assert rows["full"].endswith("| 0 of 3 | 4.0 |")
     assert (tmp_path / "ablations.md").read_text() == table and (tmp_path / "ablations.png").stat().st_size > 1000
+    # at KL 10, the most every run reached, the arm (KL 20 at its end, linear from 0) had half its gain: 0.05, 0.15,
+    # 0.10, mean 0.1 ± 4.303 · 0.05/√3; paired with the full recipe's 0.5, 0.6, 0.7: -0.45, -0.45, -0.6, mean -0.5 ±
+    # 4.303 · 0.05
+    matched = table.split("\n\n", 1)[1].splitlines()
+    assert matched[0].startswith("Gold gain at matched KL: 10.00 nats")
+    assert "| full | 3 | +0.600 [+0.352, +0.848] | — |" in matched
+    assert "| fixed-kl | 3 | +0.100 [-0.024, +0.224] | -0.500 [-0.715, -0.285] |" in matched
+
+
+def test_gain_at_kl_interpolates_where_the_run_first_reached_it():
+    trace = [(0.0, 0.2), (4.0, 0.6), (2.0, 0.5), (8.0, 1.0)]  # its KL fell back once
+    assert abs(ablations.gain_at_kl(trace, 2.0) - 0.2) < 1e-12  # on the way up, not where it came back to 2
+    assert abs(ablations.gain_at_kl(trace, 6.0) - (0.5 + 0.5 * 4 / 6 - 0.2)) < 1e-12  # from 2 back up to 8
+    assert ablations.gain_at_kl(trace, 0.0) == 0.0
+    assert ablations.gain_at_kl(trace, 9.0) is None and ablations.gain_at_kl([(0.0, 0.3)], 0.0) == 0.0
 
 
 def test_shrinking_flags_reach_every_cpu_run(tmp_path):
@@ -209,6 +224,6 @@ def test_a_paper_scale_run_counts_once_its_policy_is_saved(tmp_path):
     (tmp_path / "full" / "seed_1" / "policy" / "policy").mkdir()
     (tmp_path / "full" / "seed_1" / "policy" / "policy" / "value_head.safetensors").write_bytes(b"x")
     args = ablations.Args(scale="paper", arms=("torch-adam",), num_seeds=1, output_dir=str(tmp_path))
-    rows = {line.split(" | ")[0].strip("| "): line for line in ablations.report(args, ablations.arms_of("paper", args.arms), tmp_path).splitlines()[2:]}  # fmt: skip
+    rows = {line.split(" | ")[0].strip("| "): line for line in ablations.report(args, ablations.arms_of("paper", args.arms), tmp_path).split("\n\n")[0].splitlines()[2:]}  # fmt: skip
     assert rows["full"].startswith("| full | 1 | +0.500 [") and rows["full"].endswith("| 0 of 1 | 90.0 |")
     assert rows["torch-adam"].startswith("| torch-adam | 0 |")  # still running: no gain yet
