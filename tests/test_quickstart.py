@@ -169,7 +169,7 @@ def test_overwrite_never_deletes_the_reward_model_it_was_asked_to_use(tmp_path, 
      ["--reward-batch-size", "0"], ["--reward-lr", "0"], ["--normalize-samples", "0"], ["--query-length", "0"],
      ["--ppo-batch-size", "0"], ["--ppo-batch-size", "4"], ["--ppo-epochs", "0"], ["--ppo-lr", "0"],
      ["--eval-queries", "0"], ["--eval-samples-per-query", "0"], ["--threads", "0"], ["--bootstrap-resamples", "0"],
-     ["--eval-every", "-1"]],
+     ["--eval-every", "-1"], ["--reward-function", "sentiment", "--reward-model", "elsewhere"]],
 )  # fmt: skip
 def test_inconsistent_sizes_fail_before_any_work(flags, tmp_path, capsys):
     """The quick start's own flags are checked by the quick start, the rest by the training scripts' own checks on
@@ -296,6 +296,23 @@ def test_ctrl_c_keeps_the_work_and_the_same_command_continues(when, tiny_assets,
     updates = [row["update"] for row in read_jsonl(metrics) if "objective/scores" in row]
     assert updates == list(range(1, 13)) and (output_dir / "summary.json").exists()
     assert not (output_dir / "policy" / "checkpoints").exists()  # the stop checkpoint goes once the run finished
+
+
+def test_direct_rl_trains_against_the_gold_judge_without_a_reward_phase(tiny_assets, tmp_path):
+    output_dir = tmp_path / "quickstart"
+    command = [*tiny_quickstart(tiny_assets, output_dir), "--reward-function", "sentiment"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "reward model: none, direct RL against --reward-function sentiment" in result.stdout
+    assert "--rewards.function sentiment" in result.stdout and "--rewards.trained-model" not in result.stdout
+    assert not (output_dir / "reward").exists() and not (output_dir / "reward_queries.jsonl").exists()
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert "reward_model" not in summary and summary["settings"]["reward_function"] == "sentiment"
+    assert "    sentiment               initial" in result.stdout  # its score where the reward model's would be
+    # the reward is the gold judge's VADER score of the same truncated response, or the -1 of one never cut at a '.'
+    rows = read_jsonl(output_dir / "policy" / "eval_samples.jsonl")
+    assert all(abs(row["rm_score"] - row["gold_score"]) < 1e-6 or row["rm_score"] == -1.0 for row in rows)
+    assert sum(abs(row["rm_score"] - row["gold_score"]) < 1e-6 and row["gold_score"] != 0 for row in rows) >= 3
 
 
 def test_quickstart_smoke_run_on_a_tiny_model(tiny_assets, tmp_path):
