@@ -1,0 +1,311 @@
+"""The paper's controlled experiment (Ziegler et al. 2019, section 3.1.1): a known reward, the VADER sentiment
+labeler, stands in for the humans. Per seed: reward models from several label budgets, PPO against each of them and
+directly against the known reward (direct RL), each at several fixed KL coefficients, every run evaluated on
+held-out queries along training (gold score, reward-model score, KL); and per label budget one run that only samples
+the initial policy many times per query, for the optimum of the KL-regularized objective and best-of-n
+(benchmark/kl_frontier.py). The report: learning curves (the paper's Figure 2), gold against KL for the optimum,
+best-of-n and the PPO runs with Gao et al. (2022)'s fitted forms (Figure 3), and their tables.
+
+    python benchmark/controlled.py --dry-run        # every command and the time estimate, nothing runs
+    python benchmark/controlled.py                  # run here (resumable: finished runs are skipped)
+    python benchmark/controlled.py --report-only    # controlled.md and controlled.png of the finished runs
+    python benchmark/controlled.py --scale paper --dry-run   # gpt2 at OpenAI's sizes, for GPU nodes
+
+`--scale cpu` runs `quickstart.py` (SmolLM2-135M, the simulated labeler, gold = VADER). The runs of one seed form
+one chain of benchmark/benchmark.py (locally, or one Slurm array task per seed with --launcher-args "--slurm ..."):
+the first KL coefficient's run of a budget trains that budget's reward model, the others reuse it.
+"""
+
+import dataclasses
+import json
+import math
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import numpy as np
+import tyro
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling tools, run as a script or imported
+from ablations import mean_ci  # noqa: E402
+from kl_frontier import best_of_n, fit_gao, optimum, read_samples  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DIRECT = "direct"
+"""the direct-RL arm's name: PPO against the known reward itself"""
+# seconds on 2 cores with bf16 units, from the quick start's measured phases (docs/quickstart.md#times): label
+# sampling ~49 s per 608 label queries, training 97 s per 480 labels, ~25 s of start-up, normalization and test;
+# a policy run ~150 s with its 5 evaluations; a sampling run ~110 s per 1,000 samples of each of its 2 evaluations
+CPU_SECONDS = dict(reward_fixed=25.0, reward_per_label=49 / 608 + 97 / 480, policy=150.0, per_sample=0.11)
+PAPER_GPU_HOURS = {"reward": 8 * 10 / 60, "policy": 8 * 1.5}  # as benchmark/ablations.py: estimates, not measured
+
+
+@dataclass
+class Args:
+    scale: Literal["cpu", "paper"] = "cpu"
+    """cpu: the quick start's setting on a CPU; paper: gpt2 at OpenAI's sizes, for GPU nodes"""
+    label_budgets: tuple[int, ...] = ()
+    """best-of-4 labels per reward model, from barely above chance to near the labeler's ceiling (default: cpu 96 480
+    1536, the quick start's 480 in the middle; paper 1250 5000 20000, OpenAI's 5,000 sentiment labels in the middle)"""
+    kl_coefs: tuple[float, ...] = (0.2, 0.05, 0.0125)
+    """fixed KL coefficients (no adaptive controller), each run's curve then reaches its own KL"""
+    num_seeds: int = 3
+    """seeds 1..N: one reward model per budget and seed, every policy run at every seed"""
+    eval_every: int = 4
+    """held-out evaluation every this many updates: the points of each run's curve of gold against KL"""
+    frontier_samples: int = 32
+    """responses per held-out query in the runs that sample the initial policy (optimum and best-of-n)"""
+    mixed_precision: Literal["no", "bf16"] = "bf16"
+    """fixed, not `auto`: a study resumed on another CPU keeps its numerics"""
+    output_dir: Optional[str] = None
+    """where the runs go (default runs/controlled/SCALE)"""
+    launcher_args: str = ""
+    """extra flags of benchmark/benchmark.py, e.g. "--slurm --slurm-gpus-per-task 8 --slurm-partition gpu" """
+    dry_run: bool = False
+    """print every command, the launcher call and the estimate; run nothing"""
+    report_only: bool = False
+    """only write the report (controlled.md, controlled.png) of the runs in --output-dir"""
+
+
+def arms(args: Args) -> list[str]:
+    """One reward-model arm per label budget, then direct RL."""
+    return [f"labels_{budget}" for budget in args.label_budgets] + [DIRECT]
+
+
+def run_dir(out: Path, arm: str, kl_coef: float, seed="{seed}") -> Path:
+    return out / arm / f"kl_{kl_coef:g}" / f"seed_{seed}"
+
+
+def frontier_dir(out: Path, arm: str) -> Path:
+    return out / arm / "frontier"
+
+
+def commands(args: Args, out: Path) -> list[str]:
+    """One seed's chain (`{seed}` is the seed, as benchmark.py substitutes it); a finished run is skipped."""
+    if args.scale == "paper":
+        return paper_commands(args, out)
+    lines = []
+    for arm in arms(args):
+        for index, kl_coef in enumerate(args.kl_coefs):
+            directory = run_dir(out, arm, kl_coef)
+            command = ["python", "quickstart.py", "--seed", "{seed}", "--output-dir", str(directory),
+                       "--mixed-precision", args.mixed_precision, "--kl-coef", f"{kl_coef:g}",
+                       "--eval-every", str(args.eval_every), "--policy-args=--rewards.no-use-adaptive-kl"]  # fmt: skip
+            if arm == DIRECT:
+                command += ["--reward-function", "sentiment"]
+            else:
+                command += ["--labels", arm.removeprefix("labels_")]
+                if index > 0:  # the budget's reward model, trained by its first run
+                    first = run_dir(out, arm, args.kl_coefs[0])
+                    command += ["--reward-model", str(first / "reward" / "reward_model")]
+            lines.append(f"test -e {shlex.quote(str(directory / 'summary.json'))} || {shlex.join(command)}")
+    for arm in arms(args)[:-1]:  # seed 1's reward models score the initial policy's samples
+        directory = frontier_dir(out, arm)
+        command = ["python", "quickstart.py", "--seed", "1", "--output-dir", str(directory), "--mixed-precision",
+                   args.mixed_precision, "--updates", "1", "--eval-every", "0", "--eval-samples-per-query",
+                   str(args.frontier_samples), "--reward-model",
+                   str(run_dir(out, arm, args.kl_coefs[0], 1) / "reward" / "reward_model")]  # fmt: skip
+        lines.append(f"test {{seed}} != 1 || test -e {shlex.quote(str(directory / 'summary.json'))} || "
+                     f"{shlex.join(command)}")  # fmt: skip
+    return lines
+
+
+def paper_commands(args: Args, out: Path) -> list[str]:
+    """gpt2 at OpenAI's sizes (their defaults), simulated sentiment labels, 8 processes per policy run."""
+    lines = []
+    for arm in arms(args):
+        reward = run_dir(out, arm, args.kl_coefs[0]) / "reward"
+        if arm != DIRECT:
+            lines.append(shlex.join(["python", "train_reward_accelerate.py", "--seed", "{seed}", "--output-dir",
+                                     str(reward), "--labels.source", "sentiment", "--labels.num-train",
+                                     arm.removeprefix("labels_")]))  # fmt: skip
+        for kl_coef in args.kl_coefs:
+            rewards = ["--rewards.function", "sentiment"] if arm == DIRECT else [
+                "--rewards.trained-model", str(reward / "reward_model")]  # fmt: skip
+            lines.append(shlex.join(["accelerate", "launch", "--num_processes", "8", "train_policy_accelerate.py",
+                                     "--seed", "{seed}", "--output-dir", str(run_dir(out, arm, kl_coef) / "policy"),
+                                     *rewards, "--task.gold-labeler", "sentiment", "--rewards.kl-coef",
+                                     f"{kl_coef:g}", "--rewards.no-use-adaptive-kl"]))  # fmt: skip
+    return lines
+
+
+def estimate(args: Args, out: Path) -> str:
+    """What is left, in hours: finished runs (their summary.json) are not counted."""
+    seeds = range(1, args.num_seeds + 1)
+    if args.scale == "paper":
+        rewards = len(args.label_budgets) * args.num_seeds
+        policies = len(arms(args)) * len(args.kl_coefs) * args.num_seeds
+        hours = rewards * PAPER_GPU_HOURS["reward"] + policies * PAPER_GPU_HOURS["policy"]
+        return f"{policies} policy runs, {rewards} reward models: ~{hours:.0f} GPU-hours (an estimate, not measured)"
+    seconds, left = 0.0, 0
+    for arm in arms(args):
+        for index, kl_coef in enumerate(args.kl_coefs):
+            for seed in seeds:
+                if (run_dir(out, arm, kl_coef, seed) / "summary.json").exists():
+                    continue
+                left += 1
+                seconds += CPU_SECONDS["policy"]
+                if arm != DIRECT and index == 0:
+                    seconds += CPU_SECONDS["reward_fixed"] + int(arm.removeprefix("labels_")) * CPU_SECONDS[
+                        "reward_per_label"]  # fmt: skip
+        if arm != DIRECT and not (frontier_dir(out, arm) / "summary.json").exists():
+            left += 1
+            seconds += 30 + 2 * 64 * args.frontier_samples * CPU_SECONDS["per_sample"]
+    total = len(arms(args)) * len(args.kl_coefs) * args.num_seeds + len(args.label_budgets)
+    return (f"{total} quick starts, {left} left: ~{seconds / 3600:.1f} h on 2 cores with bf16 units, about twice that "
+            "in fp32 (an estimate from the quick start's measured phases, docs/quickstart.md#times)")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the report
+def read_curve(directory: Path) -> Optional[dict]:
+    """A finished quick start's held-out evaluations: episodes, KL, gold and reward-model score; its reward model's
+    held-out accuracy when it trained one. None if it has not finished."""
+    if not (directory / "summary.json").exists():
+        return None
+    summary = json.loads((directory / "summary.json").read_text())
+    rows = [json.loads(line) for line in (directory / "policy" / "metrics.jsonl").read_text().splitlines() if line]
+    evals = [row for row in rows if "eval/gold_score" in row]
+    return dict(episode=[row["episode"] for row in evals], kl=[row["eval/kl"] for row in evals],
+                gold=[row["eval/gold_score"] for row in evals], rm=[row["eval/rm_score"] for row in evals],
+                accuracy=summary.get("reward_model", {}).get("test_accuracy"))  # fmt: skip
+
+
+def frontier_of(directory: Path, betas) -> Optional[dict]:
+    """The optimum (by gold, and by this budget's reward model with its gold) and best-of-n from the run's update-0
+    samples, as gold gains over the initial policy's mean."""
+    samples = directory / "policy" / "eval_samples.jsonl"
+    if not (directory / "summary.json").exists():
+        return None
+    by_query = read_samples(str(samples), 0)
+    gold = np.stack([scores["gold_score"] for scores in by_query.values()])
+    rm = np.stack([scores["rm_score"] for scores in by_query.values()])
+    base, ns = gold.mean(), [2**k for k in range(int(math.log2(gold.shape[1])) + 1)]
+    return dict(
+        optimum_gold=[(o["kl"], o["score"] - base, o["ess"]) for o in (optimum(gold, beta) for beta in betas)],
+        optimum_rm=[(o["kl"], optimum(rm, o["beta"], gold)["score"] - base) for o in (optimum(rm, b) for b in betas)],
+        best_of_n_gold=[(math.log(n) - (n - 1) / n, best_of_n(gold, gold, n) - base) for n in ns],
+        best_of_n_rm=[(math.log(n) - (n - 1) / n, best_of_n(rm, gold, n) - base) for n in ns],
+    )
+
+
+def report(args: Args, out: Path) -> str:
+    seeds = range(1, args.num_seeds + 1)
+    curves = {arm: {kl_coef: {seed: read_curve(run_dir(out, arm, kl_coef, seed)) for seed in seeds}
+                    for kl_coef in args.kl_coefs} for arm in arms(args)}  # fmt: skip
+    betas = [2.0 ** (k / 2) for k in range(4, -13, -1)]  # 4 .. 1/64
+    frontiers = {arm: frontier_of(frontier_dir(out, arm), betas) for arm in arms(args)[:-1]}
+    lines = ["| arm | KL coefficient | seeds | reward model accuracy | final KL | final gold gain [95% CI] |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    fits = ["| arm | runs | form | alpha | beta | points fitted / predicted | fit RMSE | prediction RMSE | "
+            "largest prediction error |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for arm, by_coef in curves.items():
+        points = []
+        for kl_coef, by_seed in by_coef.items():
+            done = [curve for curve in by_seed.values() if curve is not None]
+            gains = [curve["gold"][-1] - curve["gold"][0] for curve in done]
+            mean, low, high = mean_ci(gains)
+            accuracy = [curve["accuracy"] for curve in done if curve["accuracy"] is not None]
+            accuracy_text = f"{sum(accuracy) / len(accuracy):.3f}" if accuracy else "—"
+            final_kl = sum(curve["kl"][-1] for curve in done) / len(done) if done else math.nan
+            lines.append(f"| {arm} | {kl_coef:g} | {len(done)} | {accuracy_text} | {final_kl:.2f} | "
+                         f"{mean:+.3f} [{low:+.3f}, {high:+.3f}] |")  # fmt: skip
+            points += [
+                (kl, gold - curve["gold"][0])
+                for curve in done
+                for kl, gold in zip(curve["kl"], curve["gold"], strict=True)
+            ]
+        fit = fit_gao([kl for kl, _ in points], [gain for _, gain in points], "rl") if points else None
+        fits.append(fit_row(arm, len(points), "RL: d (α − β log d)", fit))
+    for arm, frontier in frontiers.items():
+        if frontier is not None:
+            for key, name in (("best_of_n_gold", "best-of-n by gold"), ("best_of_n_rm", "best-of-n by this RM")):
+                kls, gains = zip(*frontier[key], strict=True)
+                fits.append(fit_row(arm, 1, f"{name}: d (α − β d)", fit_gao(kls, gains, "bon")))
+    table = ("Final held-out gold gain per arm and KL coefficient (mean over seeds, 95% Student-t interval):\n\n"
+             + "\n".join(lines) + "\n\nGao et al.'s forms, d = √KL, fitted to each arm's evaluations with KL ≤ half "
+             "the largest, predicting the rest:\n\n" + "\n".join(fits) + "\n")  # fmt: skip
+    (out / "controlled.md").write_text(table)
+    plot(args, curves, frontiers, out / "controlled.png")
+    return table
+
+
+def fit_row(arm: str, runs: int, form: str, fit: Optional[dict]) -> str:
+    if fit is None:
+        return f"| {arm} | {runs} | {form} | — | — | too few points | — | — | — |"
+    return (f"| {arm} | {runs} | {form} | {fit['alpha']:.3f} | {fit['beta']:.3f} | {fit['fitted_points']} / "
+            f"{fit['predicted_points']} | {fit['fit_rmse']:.3f} | {fit['prediction_rmse']:.3f} | "
+            f"{fit['prediction_max_error']:.3f} |")  # fmt: skip
+
+
+def plot(args: Args, curves: dict, frontiers: dict, path: Path) -> None:
+    """Left: gold against episodes at the middle KL coefficient, per arm, seed mean and min-max band (Figure 2).
+    Right: gold gain against KL, the PPO runs' evaluations per arm, the sampled optimum and best-of-n (Figure 3)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    middle = args.kl_coefs[len(args.kl_coefs) // 2]
+    for color, (arm, by_coef) in enumerate(curves.items()):
+        done = [curve for curve in by_coef[middle].values() if curve is not None]
+        if done:
+            length = min(len(curve["gold"]) for curve in done)
+            ys = np.array([curve["gold"][:length] for curve in done])
+            x = done[0]["episode"][:length]
+            left.fill_between(x, ys.min(0), ys.max(0), color=f"C{color}", alpha=0.25, lw=0)
+            left.plot(x, ys.mean(0), color=f"C{color}", label=arm)
+        points = [(kl, gold - curve["gold"][0]) for by_seed in by_coef.values() for curve in by_seed.values()
+                  if curve is not None for kl, gold in zip(curve["kl"], curve["gold"], strict=True)]  # fmt: skip
+        if points:
+            right.scatter(*zip(*points, strict=True), s=10, color=f"C{color}", label=f"PPO, {arm}")
+    for arm, frontier in frontiers.items():
+        if frontier is not None:
+            right.plot(*zip(*[(kl, gain) for kl, gain, _ in frontier["optimum_gold"]], strict=True), "k-",
+                       label="optimum (by gold)" if arm == next(iter(frontiers)) else None)  # fmt: skip
+            right.plot(*zip(*frontier["best_of_n_rm"], strict=True), "--", label=f"best-of-n by {arm}'s RM")
+    left.set(title=f"held-out gold score (KL coefficient {middle:g})", xlabel="episodes", ylabel="gold score")
+    right.set(title="gold gain against KL", xlabel="KL(policy || initial), nats", ylabel="gold gain")
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
+def main(args: Args) -> None:
+    if not args.label_budgets:
+        args = dataclasses.replace(args, label_budgets=(96, 480, 1536) if args.scale == "cpu" else (1250, 5000, 20000))
+    if not args.label_budgets or min(args.label_budgets) < 8 or not args.kl_coefs or min(args.kl_coefs) <= 0:
+        raise SystemExit("error: --label-budgets must be >= 8 labels each and --kl-coefs positive")
+    out = Path(args.output_dir or f"runs/controlled/{args.scale}")
+    if args.report_only:
+        if not out.is_dir():
+            raise SystemExit(f"error: --output-dir {out}: no study there to report (run it without --report-only)")
+        print(report(args, out))
+        return
+    chain = commands(args, out)
+    launcher = [sys.executable, str(REPO / "benchmark" / "benchmark.py"), "--num-seeds", str(args.num_seeds),
+                "--job-name", f"controlled-{args.scale}", "--log-dir", str(out / "logs")]  # fmt: skip
+    for line in chain:
+        launcher += ["--command", line]
+    launcher += shlex.split(args.launcher_args)
+    print(estimate(args, out))
+    for line in chain:
+        print(line)
+    if args.dry_run:
+        print("launcher: " + shlex.join(launcher))
+        return
+    result = subprocess.run(launcher, cwd=REPO)
+    if args.scale == "cpu":
+        print(report(args, out))
+    raise SystemExit(result.returncode)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
