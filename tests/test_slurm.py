@@ -100,6 +100,34 @@ def wait_until(predicate, timeout: float, what: str) -> None:
         time.sleep(0.25)
 
 
+FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+def slurm_view(job_id: str, log: Path) -> str:
+    """What Slurm and the job's log say: for a failure message that explains itself."""
+    parts = []
+    for command in (["scontrol", "show", "job", job_id], ["sinfo", "-N", "-l"], ["squeue", "-a"]):
+        result = subprocess.run(command, capture_output=True, text=True)
+        parts.append(f"$ {' '.join(command)}\n{result.stdout}{result.stderr}")
+    for path in (log, Path("/var/log/slurm/slurmctld.log"), Path("/var/log/slurm/slurmd.log")):
+        text = path.read_text(errors="replace") if path.is_file() else "(missing)"
+        parts.append(f"---- tail {path}\n{text[-3000:]}")
+    return "\n".join(parts)
+
+
+def wait_for_task(job_id: str, predicate, timeout: float, what: str, log: Path) -> None:
+    """wait_until for task 0 of an array job that should still be running: fails as soon as the task has ended without
+    `predicate` holding, and on a timeout, with Slurm's view of the job and the node, and the job's log."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        state = scontrol_tasks(job_id).get(0, {}).get("JobState")
+        assert state not in FINISHED and time.monotonic() < deadline, (
+            f"{'task ended ' + state if state in FINISHED else f'timed out after {timeout} s'} waiting for {what}\n"
+            + slurm_view(f"{job_id}_0", log)
+        )
+        time.sleep(0.5)
+
+
 def stand_in(script: str) -> str:
     """A command line running a small Python program (the appended `--seed N` lands in its sys.argv)."""
     return f"{sys.executable} -c {json.dumps(script)}"
@@ -202,8 +230,7 @@ def test_requeued_task_resumes(slurm_cluster, tmp_path):
     subprocess.run(["scontrol", "requeue", f"{job_id}_0"], check=True)
     # Slurm holds a requeued task back until its step credentials expire (Reason=BeginTime): 10 s with ci_start.sh's
     # cred_expire (120 s by default). Forcing an earlier start races with the revoked credentials and fails the task.
-    finished = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
-    wait_until(lambda: scontrol_tasks(job_id)[0]["JobState"] in finished, 60, "the requeued task to finish")
+    wait_until(lambda: scontrol_tasks(job_id)[0]["JobState"] in FINISHED, 60, "the requeued task to finish")
     assert scontrol_tasks(job_id)[0]["JobState"] == "COMPLETED", scontrol_tasks(job_id)[0]
     assert marker.read_text() == "started\nresumed\n"
     assert scontrol_tasks(job_id)[0]["Restarts"] == "1"
@@ -266,6 +293,10 @@ def tiny_chain(tmp_path: Path, model_dir: Path, num_labels: int, policy_flags: s
     return runs, logs, reward, policy
 
 
+# the jobs' setup line: offline like the rest of the suite (no Hub, datasets or wandb lookups), one thread per task
+OFFLINE = "export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled OMP_NUM_THREADS=1"
+
+
 def test_real_scripts_two_seed_array(slurm_cluster, tmp_path, tiny_model_dir):
     runs, logs, reward, policy = tiny_chain(
         tmp_path,
@@ -273,13 +304,10 @@ def test_real_scripts_two_seed_array(slurm_cluster, tmp_path, tiny_model_dir):
         64,
         "--ppo.total-episodes 32 --ppo.batch-size 16 --ppo.whitening-ranks 1 --ppo.noptepochs 1",
     )
-    offline = (
-        "export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled OMP_NUM_THREADS=1"
-    )
     start = time.monotonic()
     result = launch(
         *("--command", reward, "--command", policy, "--num-seeds", "2", "--workers", "2", "--job-name", "tiny"),
-        *("--log-dir", str(logs), "--slurm-setup", offline, "--slurm-wait"),
+        *("--log-dir", str(logs), "--slurm-setup", OFFLINE, "--slurm-wait"),
     )
     print(f"2-seed array of the real scripts took {time.monotonic() - start:.1f} s")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -311,20 +339,19 @@ def test_real_policy_script_requeued_mid_run_resumes_from_its_checkpoint(slurm_c
         16,
         "--ppo.total-episodes 256 --ppo.batch-size 16 --ppo.whitening-ranks 1 --ppo.noptepochs 1 --checkpoint-every 2",
     )
-    offline = "export HF_HUB_OFFLINE=1 WANDB_MODE=disabled OMP_NUM_THREADS=1"
     result = launch(
         *("--command", reward, "--command", policy, "--num-seeds", "1", "--job-name", "preempt"),
-        *("--log-dir", str(logs), "--slurm-setup", offline, "--slurm-requeue"),
+        *("--log-dir", str(logs), "--slurm-setup", OFFLINE, "--slurm-requeue"),
         timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     job_id = submitted_job_id(result.stdout)
-    policy_dir = runs / "policy_1"
-    wait_until(lambda: list((policy_dir / "checkpoints").glob("step-*")), JOB_TIMEOUT, "the first policy checkpoint")
+    policy_dir, log_file = runs / "policy_1", logs / f"preempt_{job_id}_0.out"
+    checkpoint = "the first policy checkpoint"
+    wait_for_task(job_id, lambda: list((policy_dir / "checkpoints").glob("step-*")), JOB_TIMEOUT, checkpoint, log_file)
     subprocess.run(["scontrol", "requeue", f"{job_id}_0"], check=True)
-    finished = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
-    wait_until(lambda: scontrol_tasks(job_id)[0]["JobState"] in finished, 2 * JOB_TIMEOUT, "the requeued task")
-    log = (logs / f"preempt_{job_id}_0.out").read_text()
+    wait_until(lambda: scontrol_tasks(job_id)[0]["JobState"] in FINISHED, 2 * JOB_TIMEOUT, "the requeued task")
+    log = log_file.read_text()
     assert scontrol_tasks(job_id)[0]["JobState"] == "COMPLETED", log[-3000:]
     assert "restart 1:" in log and "resumed from" in log, log[-3000:]
     assert "nothing to do" in log  # the finished reward run returned at once on its --resume
