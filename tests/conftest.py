@@ -28,6 +28,7 @@ SLOWEST_FILES = ("test_openai_reference.py", "test_deepspeed.py", "test_e2e.py",
 SHARED_WORKER = {"test_slurm_two_nodes.py": "test_slurm.py"}  # both start Slurm's daemons on this machine
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marks into the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(pytest.mark.xdist_group(SHARED_WORKER.get(item.path.name, item.path.name)))

@@ -320,3 +320,29 @@ def test_repository_checks_read_the_tracked_files_and_nothing_a_setup_put_beside
         assert not any(probe in path.parents for path in files)
     finally:
         shutil.rmtree(probe)
+
+
+def test_the_two_slurm_files_share_one_worker_under_ci_run(tmp_path):
+    """`.ci/run`'s `-n 2 --dist loadgroup`: tests/conftest.py's groups must reach pytest-xdist (its hook reads the
+    marks, so ours has to run first), else tests/test_slurm.py and tests/test_slurm_two_nodes.py, which both start
+    Slurm's daemons on this machine, run at the same time on the two workers."""
+    plugin = tmp_path / "record_worker_items.py"
+    plugin.write_text(
+        "import os, pytest\n"
+        "@pytest.hookimpl(tryfirst=True)\n"
+        "def pytest_runtestloop(session):\n"
+        "    worker = os.environ.get('PYTEST_XDIST_WORKER')\n"
+        "    if worker:\n"
+        f"        open({str(tmp_path)!r} + '/' + worker, 'w').write('\\n'.join(i.nodeid for i in session.items))\n"
+        "        return True  # record only, run nothing\n"
+    )
+    command = [sys.executable, "-m", "pytest", "-p", plugin.stem, "-n", "2", "--dist", "loadgroup", "-q",
+               "--no-loadscope-reorder", "tests/test_slurm.py", "tests/test_slurm_two_nodes.py", "tests/test_data.py"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    nodeids = [line for worker in ("gw0", "gw1") if (tmp_path / worker).exists()
+               for line in (tmp_path / worker).read_text().splitlines()]  # fmt: skip
+    groups = {nodeid.split("::")[0]: nodeid.rsplit("@", 1)[-1] for nodeid in nodeids if "@" in nodeid}
+    assert len(groups) == 3 and len(nodeids) > 8, nodeids[:5]  # every item carries its group
+    assert groups["tests/test_slurm.py"] == groups["tests/test_slurm_two_nodes.py"] == "test_slurm.py"
+    assert groups["tests/test_data.py"] == "test_data.py"

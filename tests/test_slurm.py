@@ -120,7 +120,13 @@ def wait_for_task(job_id: str, predicate, timeout: float, what: str, log: Path) 
     `predicate` holding, and on a timeout, with Slurm's view of the job and the node, and the job's log."""
     deadline = time.monotonic() + timeout
     while not predicate():
-        state = scontrol_tasks(job_id).get(0, {}).get("JobState")
+        try:
+            state = scontrol_tasks(job_id).get(0, {}).get("JobState")
+        except subprocess.CalledProcessError as error:  # CI once lost the controller here: say what was left of it
+            raise AssertionError(
+                f"scontrol failed waiting for {what}: {error.stderr.strip()}; slurmctld running: {slurmctld_running()}\n"
+                + slurm_view(f"{job_id}_0", log)
+            ) from error
         assert state not in FINISHED and time.monotonic() < deadline, (
             f"{'task ended ' + state if state in FINISHED else f'timed out after {timeout} s'} waiting for {what}\n"
             + slurm_view(f"{job_id}_0", log)
