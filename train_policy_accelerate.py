@@ -259,6 +259,10 @@ def config_without_dropout(name_or_path: str):
 def load_pretrained(model_class, name_or_path: str) -> nn.Module:
     """A pretrained model through the Auto classes, in fp32, with every dropout probability 0 (asserted)."""
     config = config_without_dropout(name_or_path)
+    # speed: GPT-2's "gelu_new" is the tanh GELU (OAI's gelu) written as 8 tensor operations; torch's fused kernel is
+    # the same function to float rounding in one (forward + backward 3x faster on a CPU; 7% of a GPT-2 PPO epoch)
+    if getattr(config, "activation_function", None) == "gelu_new":
+        config.activation_function = "gelu_pytorch_tanh"
     model = model_class.from_pretrained(name_or_path, config=config, dtype=torch.float32)
     for key, value in model.config.to_dict().items():
         assert not (("dropout" in key or "pdrop" in key) and isinstance(value, float) and value), f"config.{key}"
@@ -346,39 +350,26 @@ def truncate_responses(responses: torch.Tensor, truncate_token_id: int, truncate
     return postprocessed, has_cut
 
 
-class AdamTensorFlowStyle(torch.optim.Optimizer):
+class AdamTensorFlowStyle(torch.optim.Adam):
     """Adam as in TF1 (and so OAI): eps is added to sqrt(v) outside the bias correction,
     `p -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)`."""
 
     # detail: TF-style Adam — PyTorch's update divides by sqrt(v / (1 - b2^t)) + eps, i.e. its effective eps is
     # eps * sqrt(1 - b2^t) (~0.03 eps at t=1), so early updates are larger (blog: ~6x the approxkl early on; OAI
-    # utils/core.py minimize: tf.train.AdamOptimizer)
+    # utils/core.py minimize: tf.train.AdamOptimizer). The TF step is PyTorch's with eps / sqrt(1 - b2^t) at step t:
+    # set before each step, so that torch's fused kernel makes it in one pass over the weights (3x faster on a CPU)
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-5):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+        super().__init__(params, lr=lr, betas=betas, eps=eps, fused=True)
+        for group in self.param_groups:
+            group["tensorflow_eps"] = eps
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                state = self.state[param]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(param)
-                    state["exp_avg_sq"] = torch.zeros_like(param)
-                state["step"] += 1
-                state["exp_avg"].lerp_(param.grad, 1 - beta1)
-                state["exp_avg_sq"].mul_(beta2).addcmul_(param.grad, param.grad, value=1 - beta2)
-                step_size = group["lr"] * math.sqrt(1 - beta2 ** state["step"]) / (1 - beta1 ** state["step"])
-                denominator = state["exp_avg_sq"].sqrt().add_(group["eps"])
-                param.addcdiv_(state["exp_avg"], denominator, value=-step_size)
-        return loss
+            states = [self.state[param] for param in group["params"] if param.grad is not None]
+            t = 1 + int(states[0]["step"]) if states and states[0] else 1  # this step's t, the same for every weight
+            group["eps"] = group["tensorflow_eps"] / math.sqrt(1 - group["betas"][1] ** t)
+        return super().step(closure)
 
 
 def make_optimizer(params, lr: float, eps: float, use_tensorflow_adam: bool) -> torch.optim.Optimizer:

@@ -10,6 +10,7 @@ measured with benchmark/throughput.py --extra="--compile", which runs the real l
 """
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -95,6 +96,23 @@ def truncate_loop(responses: torch.Tensor, truncate_id: int, after: int, pad_id:
     return out
 
 
+def tensorflow_adam_loop(params, state: dict, lr: float, eps: float, betas=(0.9, 0.999)) -> None:
+    """TF1's Adam step written out per weight, six tensor operations each (the scripts' first version)."""
+    (beta1, beta2), t = betas, state.setdefault("t", 0) + 1
+    state["t"] = t
+    for param in params:
+        m, v = state.setdefault(param, (torch.zeros_like(param), torch.zeros_like(param)))
+        m.lerp_(param.grad, 1 - beta1)
+        v.mul_(beta2).addcmul_(param.grad, param.grad, value=1 - beta2)
+        param.data.addcdiv_(m, v.sqrt().add_(eps), value=-lr * math.sqrt(1 - beta2**t) / (1 - beta1**t))
+
+
+def gelu_gradient(gelu, activations: torch.Tensor, upstream: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Forward and backward of one GELU (with gradients also where the caller has turned them off)."""
+    with torch.enable_grad():
+        return torch.autograd.grad(gelu(activations), activations, upstream)
+
+
 def reduce_worker(rank: int, world: int, port: int, n: int, repeats: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -115,7 +133,9 @@ def reduce_worker(rank: int, world: int, port: int, n: int, repeats: int, result
 
 # ---- the measurements -------------------------------------------------------------------------------------------
 def main(args: Args) -> None:
+    import torch.nn.functional as F
     from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.activations import NewGELUActivation
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -173,6 +193,31 @@ def main(args: Args) -> None:
             lambda: reward(queries, samples),
             close,
         )
+    activations = torch.randn(B, C + T, 4 * lm.config.n_embd, device=device, requires_grad=True)
+    gelu_new, upstream = NewGELUActivation(), torch.randn_like(activations)
+    row(
+        f"GELU forward + backward ({B} × {C + T} × {4 * lm.config.n_embd}, one layer): torch's fused tanh kernel, "
+        "not GPT-2's gelu_new of 8 tensor operations",
+        lambda: gelu_gradient(gelu_new, activations, upstream),
+        lambda: gelu_gradient(lambda x: F.gelu(x, approximate="tanh"), activations, upstream),
+        lambda a, b: torch.testing.assert_close(a[0], b[0], atol=1e-5, rtol=1e-5),
+    )
+    loop_weights, fused_weights = ([torch.nn.Parameter(p.detach().clone()) for p in lm.parameters()] for _ in "ab")
+    for loop_weight, fused_weight in zip(loop_weights, fused_weights, strict=True):
+        loop_weight.grad = fused_weight.grad = torch.randn_like(loop_weight)
+    loop_state, fused = {}, R.AdamTensorFlowStyle(fused_weights, lr=1e-5, eps=1e-5)
+
+    def same_steps(_, __) -> None:  # after the first step of each
+        for loop_weight, fused_weight in zip(loop_weights, fused_weights, strict=True):
+            torch.testing.assert_close(loop_weight.data, fused_weight.data, atol=1e-7, rtol=1e-6)
+
+    row(
+        f"TF-style Adam step ({sum(w.numel() for w in fused_weights) / 1e6:.0f}M weights): torch's fused Adam with "
+        "eps / sqrt(1 - b2^t), not six tensor operations per weight",
+        lambda: tensorflow_adam_loop(loop_weights, loop_state, 1e-5, 1e-5),
+        fused.step,
+        same_steps,
+    )
     padded = torch.randint(vocab, (args.padding_rows, C + T))
     padded[torch.rand(padded.shape) < 0.2] = pad
     row(

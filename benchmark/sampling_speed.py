@@ -49,7 +49,8 @@ def make_model(name: str) -> torch.nn.Module:
     if name == "tiny":
         return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000)).eval()
     if name == "gpt2":
-        return GPT2LMHeadModel(GPT2Config()).eval()  # 124M: 12 layers, 768 wide, 50257 tokens
+        # 124M: 12 layers, 768 wide, 50257 tokens; its GELU as the scripts load GPT-2 (load_pretrained: fused)
+        return GPT2LMHeadModel(GPT2Config(activation_function="gelu_pytorch_tanh")).eval()
     config = LlamaConfig(  # SmolLM2-135M's shapes
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
         num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=100000.0,
@@ -75,6 +76,35 @@ def seconds(function, arguments: tuple, repeats: int) -> float:
     return statistics.median(times)
 
 
+PRODUCTS = {"aten::mm": slice(0, 2), "aten::addmm": slice(1, 3), "aten::bmm": slice(0, 2)}  # where the operands are
+
+
+def matrix_products(function, arguments: tuple, repeats: int) -> list[tuple[tuple, int, float]]:
+    """The call's matrix products as (operand shapes, count, seconds of one): the products of one profiled call
+    (torch.profiler records their operands' shapes), each timed on its own with contiguous random operands, the best
+    of `repeats` measurements. No implementation of the call can do them faster; its other time is everything else."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
+        function(*arguments)
+    products = []
+    for event in profile.key_averages(group_by_input_shape=True):
+        if event.key in PRODUCTS:
+            a, b = (torch.randn(shape) for shape in event.input_shapes[PRODUCTS[event.key]])
+            a @ b  # warm-up
+            best = float("inf")
+            for _ in range(repeats):  # 10 products a measurement: one small product is a few microseconds
+                start = time.perf_counter()
+                for _ in range(10):
+                    a @ b
+                best = min(best, (time.perf_counter() - start) / 10)
+            products.append(((tuple(a.shape), tuple(b.shape)), event.count, best))
+    return products
+
+
+def matmul_floor(function, arguments: tuple, repeats: int) -> float:
+    """Seconds the call's matrix products alone take at their shapes (matrix_products, summed)."""
+    return sum(count * seconds for _, count, seconds in matrix_products(function, arguments, repeats))
+
+
 def main(args: Args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -88,9 +118,12 @@ def main(args: Args) -> None:
         with torch.no_grad():
             library = seconds(library_generate, (lm, rows, pad_id, length, 0.7), args.repeats)
             loop = seconds(sample_responses, (lm, rows, pad_id, length, 0.7), args.repeats)
+            floor = matmul_floor(sample_responses, (lm, rows, pad_id, length, 0.7), args.repeats)
             row = dict(setting=setting, batch=len(rows), samples_per_context=samples, context=context_length,
                        response=length, threads=torch.get_num_threads(), generate_s=round(library, 4),
-                       loop_s=round(loop, 4), loop_over_generate=round(loop / library, 3))  # fmt: skip
+                       loop_s=round(loop, 4), loop_over_generate=round(loop / library, 3),
+                       matmul_floor_s=round(floor, 4), loop_over_floor=round(loop / floor, 3),
+                       generate_over_floor=round(library / floor, 3))  # fmt: skip
             if samples > 1:
                 shared = seconds(sample_responses, (lm, contexts, pad_id, length, 0.7, samples), args.repeats)
                 row.update(shared_context_s=round(shared, 4), shared_over_generate=round(shared / library, 3))

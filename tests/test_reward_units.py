@@ -321,6 +321,21 @@ def test_load_pretrained_sets_every_dropout_to_zero(tmp_path):
         assert torch.equal(model(ids).logits, model(ids).logits)
 
 
+def test_load_pretrained_runs_gpt2s_gelu_as_torchs_fused_kernel_with_the_same_outputs(tmp_path):
+    torch.manual_seed(0)
+    GPT2LMHeadModel(tiny_gpt2_config()).save_pretrained(tmp_path)
+    stock = GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    assert stock.config.activation_function == "gelu_new"  # the saved model's own (GPT-2's) activation
+    model = R.load_pretrained(AutoModelForCausalLM, str(tmp_path)).eval()
+    assert model.config.activation_function == "gelu_pytorch_tanh"
+    assert type(model.transformer.h[0].mlp.act).__name__ == "GELUTanh"  # F.gelu(x, approximate="tanh")
+    ids = torch.randint(0, 1000, (3, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(ids).logits, stock(ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)  # the same function, to float rounding
+    assert not torch.equal(ours, theirs)  # ... computed by another kernel
+
+
 def test_load_pretrained_sets_llama_attention_dropout_to_zero(tmp_path):
     LlamaModel(tiny_llama_config(attention_dropout=0.3)).save_pretrained(tmp_path)
     model = R.load_pretrained(AutoModel, str(tmp_path))
@@ -348,7 +363,7 @@ def test_adam_one_step_matches_the_closed_form(gradient, torch_update, tf_update
     assert one_adam_step(R.AdamTensorFlowStyle, gradient) == pytest.approx(tf_update, rel=1e-4)
     assert one_adam_step(torch.optim.Adam, gradient) == pytest.approx(torch_update, rel=1e-4)
     optimizer = R.make_optimizer([nn.Parameter(torch.zeros(1))], lr=1e-3, eps=1e-5, use_tensorflow_adam=True)
-    assert isinstance(optimizer, R.AdamTensorFlowStyle)
+    assert isinstance(optimizer, R.AdamTensorFlowStyle) and optimizer.defaults["fused"]  # one kernel per step
     optimizer = R.make_optimizer([nn.Parameter(torch.zeros(1))], lr=1e-3, eps=1e-5, use_tensorflow_adam=False)
     assert type(optimizer) is torch.optim.Adam and optimizer.defaults["eps"] == 1e-5
 

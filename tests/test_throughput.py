@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 
 
@@ -37,8 +38,8 @@ def test_optimizations_benchmark_checks_each_pair_and_prints_the_table():
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 7 and all(row["before_s"] > 0 and row["after_s"] > 0 for row in rows)
-    assert result.stdout.count("× |") == 7  # the markdown table
+    assert len(rows) == 9 and all(row["before_s"] > 0 and row["after_s"] > 0 for row in rows)
+    assert result.stdout.count("× |") == 9  # the markdown table
 
 
 def test_sampling_speed_compares_the_loop_with_generate():
@@ -50,3 +51,23 @@ def test_sampling_speed_compares_the_loop_with_generate():
     row = json.loads(result.stdout.strip().splitlines()[-1])
     assert row["setting"] == "tiny" and row["batch"] == 4 and row["samples_per_context"] == 2
     assert all(row[key] > 0 for key in ("generate_s", "loop_s", "loop_over_generate", "shared_context_s"))
+    assert 0 < row["matmul_floor_s"] < row["loop_s"]  # the loop's own products, timed alone: a part of its time
+
+
+def test_ppo_profile_splits_the_step_by_kind_of_operation():
+    """benchmark/ppo_profile.py: the policy script's training step, timed and split: its matrix products timed alone
+    (the trunk's and the LM head's, both found), the optimizer step and the rest, adding up to the step."""
+    command = [sys.executable, str(REPO / "benchmark" / "ppo_profile.py"), "--model", "tiny", "--batch-size", "2",
+               "--query-length", "8", "--response-length", "6", "--repeats", "2"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    row = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
+    parts = row["parts"]
+    assert len(parts) == 4 and sum(parts.values()) == pytest.approx(row["seconds_per_step"], rel=1e-6)
+    products = [parts["trunk matrix products (timed alone)"], parts["LM head matrix products (timed alone)"]]
+    assert all(0 < seconds < row["seconds_per_step"] for seconds in products)
+    assert 0 < parts["optimizer step (TF-style Adam, fused)"] < row["seconds_per_step"]
+    others = set(row["top_other_ops_profiled_ms"])
+    assert others and not others & {"aten::mm", "aten::addmm", "aten::bmm"}
+    assert row["mfu"] == pytest.approx(row["seconds_at_peak"] / row["seconds_per_step"], rel=1e-6)
+    assert "| part of the step |" in result.stdout and result.stdout.count("| ") >= 10  # the table
