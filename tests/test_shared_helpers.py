@@ -338,7 +338,8 @@ def test_the_two_slurm_files_share_one_worker_under_ci_run(tmp_path):
     )
     command = [sys.executable, "-m", "pytest", "-p", plugin.stem, "-n", "2", "--dist", "loadgroup", "-q",
                "--no-loadscope-reorder", "tests/test_slurm.py", "tests/test_slurm_two_nodes.py", "tests/test_data.py"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PYTEST_XDIST")}  # not this run's
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
     subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     nodeids = [line for worker in ("gw0", "gw1") if (tmp_path / worker).exists()
                for line in (tmp_path / worker).read_text().splitlines()]  # fmt: skip
