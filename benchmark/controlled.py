@@ -8,12 +8,14 @@ best-of-n and the PPO runs with Gao et al. (2022)'s fitted forms (Figure 3), and
 
     python benchmark/controlled.py --dry-run        # every command and the time estimate, nothing runs
     python benchmark/controlled.py                  # run here (resumable: finished runs are skipped)
+    python benchmark/controlled.py --workers 3 --threads 1   # the 3 seeds side by side, 1 thread each (2 cores)
     python benchmark/controlled.py --report-only    # controlled.md and controlled.png of the finished runs
     python benchmark/controlled.py --scale paper --dry-run   # gpt2 at OpenAI's sizes, for GPU nodes
 
 `--scale cpu` runs `quickstart.py` (SmolLM2-135M, the simulated labeler, gold = VADER). The runs of one seed form
 one chain of benchmark/benchmark.py (locally, or one Slurm array task per seed with --launcher-args "--slurm ..."):
-the first KL coefficient's run of a budget trains that budget's reward model, the others reuse it.
+the first KL coefficient's run of a budget trains that budget's reward model, the others reuse it; budget k's
+initial-policy sampling ends seed k's chain, so the chains are about as long when they run side by side.
 """
 
 import dataclasses
@@ -38,7 +40,9 @@ DIRECT = "direct"
 """the direct-RL arm's name: PPO against the known reward itself"""
 # seconds on 2 cores with bf16 units, from the quick start's measured phases (docs/quickstart.md#times): label
 # sampling ~49 s per 608 label queries, training 97 s per 480 labels, ~25 s of start-up, normalization and test;
-# a policy run ~150 s with its 5 evaluations; a sampling run ~110 s per 1,000 samples of each of its 2 evaluations
+# a policy run ~150 s with its 5 evaluations; a sampling run ~110 s per 1,000 samples of each of its 2 evaluations.
+# On a 2-vCPU AMD EPYC with avx512_bf16 a policy run took 207-217 s (1.4x), and 3 of them side by side at 1 thread
+# each 544 s, 1.17x the throughput of one at a time at 2 threads (benchmark/README.md)
 CPU_SECONDS = dict(reward_fixed=25.0, reward_per_label=49 / 608 + 97 / 480, policy=150.0, per_sample=0.11)
 PAPER_GPU_HOURS = {"reward": 8 * 10 / 60, "policy": 8 * 1.5}  # as benchmark/ablations.py: estimates, not measured
 
@@ -62,6 +66,11 @@ class Args:
     """fixed, not `auto`: a study resumed on another CPU keeps its numerics"""
     output_dir: Optional[str] = None
     """where the runs go (default runs/controlled/SCALE)"""
+    workers: int = 1
+    """seeds' chains run at the same time (benchmark/benchmark.py --workers); locally give each run fewer threads"""
+    threads: Optional[int] = None
+    """CPU threads per quick start (default: the quick start's, every core). On 2 cores `--workers 3 --threads 1`
+    runs the 3 seeds side by side (see benchmark/README.md for the measured gain)"""
     launcher_args: str = ""
     """extra flags of benchmark/benchmark.py, e.g. "--slurm --slurm-gpus-per-task 8 --slurm-partition gpu" """
     dry_run: bool = False
@@ -83,17 +92,23 @@ def frontier_dir(out: Path, arm: str) -> Path:
     return out / arm / "frontier"
 
 
+def frontier_seed(args: Args, index: int) -> int:
+    """The seed whose chain samples the index-th budget's initial policy, scored by that seed's reward model."""
+    return index % args.num_seeds + 1
+
+
 def commands(args: Args, out: Path) -> list[str]:
     """One seed's chain (`{seed}` is the seed, as benchmark.py substitutes it); a finished run is skipped."""
     if args.scale == "paper":
         return paper_commands(args, out)
-    lines = []
+    lines, threads = [], [] if args.threads is None else ["--threads", str(args.threads)]
     for arm in arms(args):
         for index, kl_coef in enumerate(args.kl_coefs):
             directory = run_dir(out, arm, kl_coef)
             command = ["python", "quickstart.py", "--seed", "{seed}", "--output-dir", str(directory),
                        "--mixed-precision", args.mixed_precision, "--kl-coef", f"{kl_coef:g}",
-                       "--eval-every", str(args.eval_every), "--policy-args=--rewards.no-use-adaptive-kl"]  # fmt: skip
+                       "--eval-every", str(args.eval_every), "--policy-args=--rewards.no-use-adaptive-kl",
+                       *threads]  # fmt: skip
             if arm == DIRECT:
                 command += ["--reward-function", "sentiment"]
             else:
@@ -102,13 +117,13 @@ def commands(args: Args, out: Path) -> list[str]:
                     first = run_dir(out, arm, args.kl_coefs[0])
                     command += ["--reward-model", str(first / "reward" / "reward_model")]
             lines.append(f"test -e {shlex.quote(str(directory / 'summary.json'))} || {shlex.join(command)}")
-    for arm in arms(args)[:-1]:  # seed 1's reward models score the initial policy's samples
-        directory = frontier_dir(out, arm)
-        command = ["python", "quickstart.py", "--seed", "1", "--output-dir", str(directory), "--mixed-precision",
+    for index, arm in enumerate(arms(args)[:-1]):  # budget k's samplings end seed k's chain (the chains stay even)
+        directory, seed = frontier_dir(out, arm), frontier_seed(args, index)
+        command = ["python", "quickstart.py", "--seed", str(seed), "--output-dir", str(directory), "--mixed-precision",
                    args.mixed_precision, "--updates", "1", "--eval-every", "0", "--eval-samples-per-query",
                    str(args.frontier_samples), "--reward-model",
-                   str(run_dir(out, arm, args.kl_coefs[0], 1) / "reward" / "reward_model")]  # fmt: skip
-        lines.append(f"test {{seed}} != 1 || test -e {shlex.quote(str(directory / 'summary.json'))} || "
+                   str(run_dir(out, arm, args.kl_coefs[0], seed) / "reward" / "reward_model"), *threads]  # fmt: skip
+        lines.append(f"test {{seed}} != {seed} || test -e {shlex.quote(str(directory / 'summary.json'))} || "
                      f"{shlex.join(command)}")  # fmt: skip
     return lines
 
@@ -155,8 +170,12 @@ def estimate(args: Args, out: Path) -> str:
             left += 1
             seconds += 30 + 2 * 64 * args.frontier_samples * CPU_SECONDS["per_sample"]
     total = len(arms(args)) * len(args.kl_coefs) * args.num_seeds + len(args.label_budgets)
-    return (f"{total} quick starts, {left} left: ~{seconds / 3600:.1f} h on 2 cores with bf16 units, about twice that "
-            "in fp32 (an estimate from the quick start's measured phases, docs/quickstart.md#times)")  # fmt: skip
+    side_by_side = (
+        " one at a time;" if args.workers == 1 else " one at a time (3 side by side at 1 thread: 1.17x less);"
+    )
+    return (f"{total} quick starts, {left} left: ~{seconds / 3600:.1f} h on 2 cores with bf16 units{side_by_side} "
+            "about twice that in fp32 (an estimate from the quick start's measured phases, docs/quickstart.md#times; "
+            "1.4x that on an AMD EPYC)")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -283,6 +302,8 @@ def main(args: Args) -> None:
         args = dataclasses.replace(args, label_budgets=(96, 480, 1536) if args.scale == "cpu" else (1250, 5000, 20000))
     if not args.label_budgets or min(args.label_budgets) < 8 or not args.kl_coefs or min(args.kl_coefs) <= 0:
         raise SystemExit("error: --label-budgets must be >= 8 labels each and --kl-coefs positive")
+    if args.workers < 1 or (args.threads is not None and args.threads < 1):
+        raise SystemExit("error: --workers and --threads must be >= 1")
     out = Path(args.output_dir or f"runs/controlled/{args.scale}")
     if args.report_only:
         if not out.is_dir():
@@ -291,7 +312,8 @@ def main(args: Args) -> None:
         return
     chain = commands(args, out)
     launcher = [sys.executable, str(REPO / "benchmark" / "benchmark.py"), "--num-seeds", str(args.num_seeds),
-                "--job-name", f"controlled-{args.scale}", "--log-dir", str(out / "logs")]  # fmt: skip
+                "--workers", str(args.workers), "--job-name", f"controlled-{args.scale}", "--log-dir",
+                str(out / "logs")]  # fmt: skip
     for line in chain:
         launcher += ["--command", line]
     launcher += shlex.split(args.launcher_args)

@@ -45,14 +45,16 @@ def test_each_run_trains_what_its_directory_says(tmp_path):
     out = tmp_path / "study"
     runs = seed_1_flags(ARGS, out)
     assert len(runs) == 4 * 3 + 3  # 3 budgets and direct RL at 3 KL coefficients; 3 initial-policy samplings
-    trained = {}
+    trained, sampled = {}, {}
     for options, policy_flags, reward_flags in runs:
         policy = run_utils.task_cli(P.task_defaults, policy_flags)
         arm, setting = Path(options.output_dir).relative_to(out).parts[:2]
         assert options.mixed_precision == "bf16" and policy.mixed_precision == "bf16"
-        if setting == "frontier":  # the initial policy sampled 32 times per held-out query, scored by seed 1's RM
-            assert options.updates == 1 and policy.eval_samples_per_query == 32 and options.seed == 1
-            assert Path(policy.rewards.trained_model) == out / arm / "kl_0.2" / "seed_1" / "reward" / "reward_model"
+        if setting == "frontier":  # the initial policy sampled 32 times per held-out query, scored by one seed's RM
+            assert options.updates == 1 and policy.eval_samples_per_query == 32
+            seed_dir = f"seed_{options.seed}"
+            assert Path(policy.rewards.trained_model) == out / arm / "kl_0.2" / seed_dir / "reward" / "reward_model"
+            sampled[arm] = options.seed
             continue
         assert setting == f"kl_{policy.rewards.kl_coef:g}" and not policy.rewards.use_adaptive_kl
         assert policy.eval_every == 4 and policy.task.gold_labeler == "sentiment"
@@ -67,6 +69,30 @@ def test_each_run_trains_what_its_directory_says(tmp_path):
             assert reward.labels.num_train == budget and reward.labels.source == "sentiment"
             trained[budget] = setting
     assert trained == {96: "kl_0.2", 480: "kl_0.2", 1536: "kl_0.2"}
+    # one sampling per seed's chain, each run only in the chain of the seed whose reward model it uses
+    assert sampled == {"labels_96": 1, "labels_480": 2, "labels_1536": 3}
+    guards = [line.split(" || ")[0] for line in controlled.commands(ARGS, out) if "/frontier" in line]
+    assert guards == ["test {seed} != 1", "test {seed} != 2", "test {seed} != 3"]
+    assert all("--threads" not in line for line in controlled.commands(ARGS, out))  # the quick start's default
+
+
+def test_seeds_side_by_side_get_their_threads_and_the_launcher_its_workers(tmp_path):
+    out = tmp_path / "study"
+    result = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--output-dir", str(out), "--workers", "3",
+                             "--threads", "1"], capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    launcher = shlex.split(result.stdout.splitlines()[-1].removeprefix("launcher: "))
+    assert launcher[launcher.index("--workers") + 1] == "3"
+    chain = [launcher[i + 1] for i, word in enumerate(launcher) if word == "--command"]
+    assert len(chain) == 15
+    for line in chain:
+        words = shlex.split(line.split(" || ")[-1])
+        assert words[words.index("--threads") + 1] == "1", line
+    for options, _, _ in seed_1_flags(dataclasses.replace(ARGS, workers=3, threads=1), out):
+        assert options.threads == 1
+    bad = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--workers", "0"], capture_output=True, text=True,
+                         timeout=120, cwd=REPO)  # fmt: skip
+    assert bad.returncode == 1 and bad.stderr.strip() == "error: --workers and --threads must be >= 1"
 
 
 def test_the_paper_scale_commands_parse_and_use_simulated_labels(tmp_path):
