@@ -8,7 +8,7 @@ best-of-n and the PPO runs with Gao et al. (2022)'s fitted forms (Figure 3), and
 
     python benchmark/controlled.py --dry-run        # every command and the time estimate, nothing runs
     python benchmark/controlled.py                  # run here (resumable: finished runs are skipped)
-    python benchmark/controlled.py --workers 3 --threads 1   # the 3 seeds side by side, 1 thread each (2 cores)
+    python benchmark/controlled.py --threads 1 --launcher-args="--workers 3"   # 3 seeds side by side, 1 thread each
     python benchmark/controlled.py --report-only    # controlled.md and controlled.png of the finished runs
     python benchmark/controlled.py --scale paper --dry-run   # gpt2 at OpenAI's sizes, for GPU nodes
 
@@ -66,11 +66,9 @@ class Args:
     """fixed, not `auto`: a study resumed on another CPU keeps its numerics"""
     output_dir: Optional[str] = None
     """where the runs go (default runs/controlled/SCALE)"""
-    workers: int = 1
-    """seeds' chains run at the same time (benchmark/benchmark.py --workers); locally give each run fewer threads"""
     threads: Optional[int] = None
-    """CPU threads per quick start (default: the quick start's, every core). On 2 cores `--workers 3 --threads 1`
-    runs the 3 seeds side by side (see benchmark/README.md for the measured gain)"""
+    """CPU threads per quick start (default: the quick start's, every core). On 2 cores `--threads 1 --launcher-args=
+    "--workers 3"` runs the 3 seeds' chains side by side (see benchmark/README.md for the measured gain)"""
     launcher_args: str = ""
     """extra flags of benchmark/benchmark.py, e.g. "--slurm --slurm-gpus-per-task 8 --slurm-partition gpu" """
     dry_run: bool = False
@@ -90,11 +88,6 @@ def run_dir(out: Path, arm: str, kl_coef: float, seed="{seed}") -> Path:
 
 def frontier_dir(out: Path, arm: str) -> Path:
     return out / arm / "frontier"
-
-
-def frontier_seed(args: Args, index: int) -> int:
-    """The seed whose chain samples the index-th budget's initial policy, scored by that seed's reward model."""
-    return index % args.num_seeds + 1
 
 
 def commands(args: Args, out: Path) -> list[str]:
@@ -118,7 +111,7 @@ def commands(args: Args, out: Path) -> list[str]:
                     command += ["--reward-model", str(first / "reward" / "reward_model")]
             lines.append(f"test -e {shlex.quote(str(directory / 'summary.json'))} || {shlex.join(command)}")
     for index, arm in enumerate(arms(args)[:-1]):  # budget k's samplings end seed k's chain (the chains stay even)
-        directory, seed = frontier_dir(out, arm), frontier_seed(args, index)
+        directory, seed = frontier_dir(out, arm), index % args.num_seeds + 1  # scored by that seed's reward model
         command = ["python", "quickstart.py", "--seed", str(seed), "--output-dir", str(directory), "--mixed-precision",
                    args.mixed_precision, "--updates", "1", "--eval-every", "0", "--eval-samples-per-query",
                    str(args.frontier_samples), "--reward-model",
@@ -170,12 +163,9 @@ def estimate(args: Args, out: Path) -> str:
             left += 1
             seconds += 30 + 2 * 64 * args.frontier_samples * CPU_SECONDS["per_sample"]
     total = len(arms(args)) * len(args.kl_coefs) * args.num_seeds + len(args.label_budgets)
-    side_by_side = (
-        " one at a time;" if args.workers == 1 else " one at a time (3 side by side at 1 thread: 1.17x less);"
-    )
-    return (f"{total} quick starts, {left} left: ~{seconds / 3600:.1f} h on 2 cores with bf16 units{side_by_side} "
+    return (f"{total} quick starts, {left} left: ~{seconds / 3600:.1f} h on 2 cores with bf16 units, one at a time, "
             "about twice that in fp32 (an estimate from the quick start's measured phases, docs/quickstart.md#times; "
-            "1.4x that on an AMD EPYC)")  # fmt: skip
+            "measured on an AMD EPYC: 1.4x that, and 3 seeds side by side at 1 thread 1.17x faster)")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -302,8 +292,8 @@ def main(args: Args) -> None:
         args = dataclasses.replace(args, label_budgets=(96, 480, 1536) if args.scale == "cpu" else (1250, 5000, 20000))
     if not args.label_budgets or min(args.label_budgets) < 8 or not args.kl_coefs or min(args.kl_coefs) <= 0:
         raise SystemExit("error: --label-budgets must be >= 8 labels each and --kl-coefs positive")
-    if args.workers < 1 or (args.threads is not None and args.threads < 1):
-        raise SystemExit("error: --workers and --threads must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit("error: --threads must be >= 1")
     out = Path(args.output_dir or f"runs/controlled/{args.scale}")
     if args.report_only:
         if not out.is_dir():
@@ -312,8 +302,7 @@ def main(args: Args) -> None:
         return
     chain = commands(args, out)
     launcher = [sys.executable, str(REPO / "benchmark" / "benchmark.py"), "--num-seeds", str(args.num_seeds),
-                "--workers", str(args.workers), "--job-name", f"controlled-{args.scale}", "--log-dir",
-                str(out / "logs")]  # fmt: skip
+                "--job-name", f"controlled-{args.scale}", "--log-dir", str(out / "logs")]  # fmt: skip
     for line in chain:
         launcher += ["--command", line]
     launcher += shlex.split(args.launcher_args)

@@ -78,8 +78,9 @@ def test_each_run_trains_what_its_directory_says(tmp_path):
 
 def test_seeds_side_by_side_get_their_threads_and_the_launcher_its_workers(tmp_path):
     out = tmp_path / "study"
-    result = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--output-dir", str(out), "--workers", "3",
-                             "--threads", "1"], capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
+    result = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--output-dir", str(out), "--threads", "1",
+                             "--launcher-args=--workers 3"], capture_output=True, text=True, timeout=120,
+                            cwd=REPO)  # fmt: skip
     assert result.returncode == 0, result.stderr
     launcher = shlex.split(result.stdout.splitlines()[-1].removeprefix("launcher: "))
     assert launcher[launcher.index("--workers") + 1] == "3"
@@ -88,11 +89,11 @@ def test_seeds_side_by_side_get_their_threads_and_the_launcher_its_workers(tmp_p
     for line in chain:
         words = shlex.split(line.split(" || ")[-1])
         assert words[words.index("--threads") + 1] == "1", line
-    for options, _, _ in seed_1_flags(dataclasses.replace(ARGS, workers=3, threads=1), out):
+    for options, _, _ in seed_1_flags(dataclasses.replace(ARGS, threads=1), out):
         assert options.threads == 1
-    bad = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--workers", "0"], capture_output=True, text=True,
+    bad = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--threads", "0"], capture_output=True, text=True,
                          timeout=120, cwd=REPO)  # fmt: skip
-    assert bad.returncode == 1 and bad.stderr.strip() == "error: --workers and --threads must be >= 1"
+    assert bad.returncode == 1 and bad.stderr.strip() == "error: --threads must be >= 1"
 
 
 def test_the_paper_scale_commands_parse_and_use_simulated_labels(tmp_path):
