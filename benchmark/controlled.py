@@ -4,7 +4,8 @@ directly against the known reward (direct RL), each at several fixed KL coeffici
 held-out queries along training (gold score, reward-model score, KL); and per label budget one run that only samples
 the initial policy many times per query, for the optimum of the KL-regularized objective and best-of-n
 (benchmark/kl_frontier.py). The report: learning curves (the paper's Figure 2), gold against KL for the optimum,
-best-of-n and the PPO runs with Gao et al. (2022)'s fitted forms (Figure 3), and their tables.
+best-of-n and the PPO runs with Gao et al. (2022)'s fitted forms (Figure 3), their tables, and PPO next to the sampled
+optimum at matched KLs.
 
     python benchmark/controlled.py --dry-run        # every command and the time estimate, nothing runs
     python benchmark/controlled.py                  # run here (resumable: finished runs are skipped)
@@ -32,7 +33,7 @@ import numpy as np
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling tools, run as a script or imported
-from ablations import mean_ci  # noqa: E402
+from ablations import gain_at_kl, mean_ci  # noqa: E402
 from kl_frontier import best_of_n, fit_gao, optimum, read_samples  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,6 +46,8 @@ DIRECT = "direct"
 # each 544 s, 1.17x the throughput of one at a time at 2 threads (benchmark/README.md)
 CPU_SECONDS = dict(reward_fixed=25.0, reward_per_label=49 / 608 + 97 / 480, policy=150.0, per_sample=0.11)
 PAPER_GPU_HOURS = {"reward": 8 * 10 / 60, "policy": 8 * 1.5}  # as benchmark/ablations.py: estimates, not measured
+MATCHED_KLS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+"""the KLs (nats) at which the PPO runs are compared with the sampled optimum and best-of-n"""
 
 
 @dataclass
@@ -209,6 +212,7 @@ def report(args: Args, out: Path) -> str:
     frontiers = {arm: frontier_of(frontier_dir(out, arm), betas) for arm in arms(args)[:-1]}
     lines = ["| arm | KL coefficient | seeds | reward model accuracy | final KL | final gold gain [95% CI] |",
              "|---|---|---|---|---|---|"]  # fmt: skip
+    fitted: dict[str, Optional[dict]] = {}
     fits = ["| arm | runs | form | alpha | beta | points fitted / predicted | fit RMSE | prediction RMSE | "
             "largest prediction error |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for arm, by_coef in curves.items():
@@ -227,8 +231,8 @@ def report(args: Args, out: Path) -> str:
                 for curve in done
                 for kl, gold in zip(curve["kl"], curve["gold"], strict=True)
             ]
-        fit = fit_gao([kl for kl, _ in points], [gain for _, gain in points], "rl") if points else None
-        fits.append(fit_row(arm, len(points), "RL: d (α − β log d)", fit))
+        fitted[arm] = fit_gao([kl for kl, _ in points], [gain for _, gain in points], "rl") if points else None
+        fits.append(fit_row(arm, len(points), "RL: d (α − β log d)", fitted[arm]))
     for arm, frontier in frontiers.items():
         if frontier is not None:
             for key, name in (("best_of_n_gold", "best-of-n by gold"), ("best_of_n_rm", "best-of-n by this RM")):
@@ -237,9 +241,55 @@ def report(args: Args, out: Path) -> str:
     table = ("Final held-out gold gain per arm and KL coefficient (mean over seeds, 95% Student-t interval):\n\n"
              + "\n".join(lines) + "\n\nGao et al.'s forms, d = √KL, fitted to each arm's evaluations with KL ≤ half "
              "the largest, predicting the rest:\n\n" + "\n".join(fits) + "\n")  # fmt: skip
+    table += "\n" + against_optimum(curves, frontiers)
     (out / "controlled.md").write_text(table)
-    plot(args, curves, frontiers, out / "controlled.png")
+    plot(args, curves, frontiers, fitted, out / "controlled.png")
     return table
+
+
+def along(points, kl: float) -> Optional[float]:
+    """A sampled curve's value at `kl` (its (KL, value, ...) points, linear between them); None outside its range."""
+    points = sorted(points)
+    kls, values = [p[0] for p in points], [p[1] for p in points]
+    return float(np.interp(kl, kls, values)) if kls and kls[0] <= kl <= kls[-1] else None
+
+
+def against_optimum(curves: dict, frontiers: dict) -> str:
+    """PPO at matched KLs next to what sampling the initial policy reaches there: each run's gold gain when its
+    held-out KL first reached the KL (benchmark/ablations.py's gain_at_kl), over every KL coefficient and seed of the
+    arm; the optimum of the arm's own reward (gold for direct RL, else the budget's reward model, scored by gold),
+    best-of-n by that reward, and the optimum by gold with its effective sample size (mean over the samplings)."""
+    gold = [f for f in frontiers.values() if f is not None]
+    lines = ["PPO against the sampled optimum at matched KL (gold gain over the initial policy; optimum and best-of-n "
+             "from the initial policy's samples, `—` outside their sampled range):", "",
+             "| arm | KL | runs | PPO [95% CI] | optimum of this arm's reward | best-of-n by it | optimum by gold "
+             "(ESS) | PPO / gold optimum |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+
+    def text(value: Optional[float]) -> str:
+        return "—" if value is None else f"{value:+.3f}"
+
+    for arm, by_coef in curves.items():
+        traces = [list(zip(curve["kl"], curve["gold"], strict=True)) for by_seed in by_coef.values()
+                  for curve in by_seed.values() if curve is not None]  # fmt: skip
+        own = [frontiers.get(arm)] if arm != DIRECT else gold
+        for kl in MATCHED_KLS:
+            gains = [gain for gain in (gain_at_kl(trace, kl) for trace in traces) if gain is not None]
+            if not gains:
+                continue
+            mean, low, high = mean_ci(gains)
+            key = "optimum_gold" if arm == DIRECT else "optimum_rm"
+            own_opt = [v for v in (along(f[key], kl) for f in own if f is not None) if v is not None]
+            own_bon = [v for v in (along(f["best_of_n_gold" if arm == DIRECT else "best_of_n_rm"], kl)
+                                   for f in own if f is not None) if v is not None]  # fmt: skip
+            opt = [v for v in (along(f["optimum_gold"], kl) for f in gold) if v is not None]
+            ess = [v for v in (along([(k, e) for k, _, e in f["optimum_gold"]], kl) for f in gold) if v is not None]
+            best = sum(opt) / len(opt) if opt else None
+            lines.append(f"| {arm} | {kl:g} | {len(gains)} | {mean:+.3f} [{low:+.3f}, {high:+.3f}] | "
+                         f"{text(sum(own_opt) / len(own_opt) if own_opt else None)} | "
+                         f"{text(sum(own_bon) / len(own_bon) if own_bon else None)} | {text(best)}"
+                         f"{f' ({sum(ess) / len(ess):.1f})' if ess else ''} | "
+                         f"{f'{mean / best:.2f}' if best else '—'} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 def fit_row(arm: str, runs: int, form: str, fit: Optional[dict]) -> str:
@@ -250,9 +300,10 @@ def fit_row(arm: str, runs: int, form: str, fit: Optional[dict]) -> str:
             f"{fit['prediction_max_error']:.3f} |")  # fmt: skip
 
 
-def plot(args: Args, curves: dict, frontiers: dict, path: Path) -> None:
+def plot(args: Args, curves: dict, frontiers: dict, fitted: dict, path: Path) -> None:
     """Left: gold against episodes at the middle KL coefficient, per arm, seed mean and min-max band (Figure 2).
-    Right: gold gain against KL, the PPO runs' evaluations per arm, the sampled optimum and best-of-n (Figure 3)."""
+    Right: gold gain against KL, the PPO runs' evaluations per arm with Gao's RL form fitted to them, the sampled
+    optimum and best-of-n (Figure 3)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -260,6 +311,7 @@ def plot(args: Args, curves: dict, frontiers: dict, path: Path) -> None:
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     middle = args.kl_coefs[len(args.kl_coefs) // 2]
+    first_fit = next((arm for arm, fit in fitted.items() if fit is not None), None)
     for color, (arm, by_coef) in enumerate(curves.items()):
         done = [curve for curve in by_coef[middle].values() if curve is not None]
         if done:
@@ -272,10 +324,16 @@ def plot(args: Args, curves: dict, frontiers: dict, path: Path) -> None:
                   if curve is not None for kl, gold in zip(curve["kl"], curve["gold"], strict=True)]  # fmt: skip
         if points:
             right.scatter(*zip(*points, strict=True), s=10, color=f"C{color}", label=f"PPO, {arm}")
+        if fitted.get(arm) is not None:  # the fitted form over the whole range, the upper half its prediction
+            d = np.sqrt(np.linspace(1e-3, max(kl for kl, _ in points), 100))
+            fit = fitted[arm]
+            right.plot(d * d, d * (fit["alpha"] - fit["beta"] * np.log(d)), ":", color=f"C{color}",
+                       label="Gao's RL form, fitted to the lower half" if arm == first_fit else None)  # fmt: skip
+    sampled = [arm for arm, frontier in frontiers.items() if frontier is not None]
     for arm, frontier in frontiers.items():
         if frontier is not None:
             right.plot(*zip(*[(kl, gain) for kl, gain, _ in frontier["optimum_gold"]], strict=True), "k-",
-                       label="optimum (by gold)" if arm == next(iter(frontiers)) else None)  # fmt: skip
+                       label="optimum by gold (sampled)" if arm == sampled[0] else None)  # fmt: skip
             right.plot(*zip(*frontier["best_of_n_rm"], strict=True), "--", label=f"best-of-n by {arm}'s RM")
     left.set(title=f"held-out gold score (KL coefficient {middle:g})", xlabel="episodes", ylabel="gold score")
     right.set(title="gold gain against KL", xlabel="KL(policy || initial), nats", ylabel="gold gain")

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import REPO
 
 import quickstart
@@ -177,3 +178,44 @@ def test_report_fits_each_arm_and_tabulates_the_final_gains(tmp_path):
     assert any(row.startswith("| labels_96 | 0.2 | 3 | 0.302 |") for row in rows)
     assert any(row.startswith("| labels_480 | 1 | best-of-n by gold: d (α − β d) |") for row in rows)
     assert (tmp_path / "controlled.md").read_text() == table and (tmp_path / "controlled.png").stat().st_size > 1000
+
+
+def test_report_puts_ppo_next_to_the_sampled_optimum_at_matched_kls(tmp_path):
+    for arm in controlled.arms(ARGS):
+        for kl_coef in ARGS.kl_coefs:
+            for seed in (1, 2, 3):
+                fake_quick_start(controlled.run_dir(tmp_path, arm, kl_coef, seed), arm, kl_coef, seed)
+    fake_frontier(controlled.frontier_dir(tmp_path, "labels_480"))
+    rows = [row.split(" | ") for row in controlled.report(ARGS, tmp_path).splitlines() if row.startswith("| direct | ")]
+    rows = {float(row[1]): row for row in rows if len(row) == 8}
+    # final KLs: 4 / (20 c) x (1.1, 1.2, 1.3) -> c = 0.2: 1.1-1.3, c = 0.05: 4.4-5.2, c = 0.0125: 17.6-20.8
+    assert {kl: int(row[2]) for kl, row in rows.items()} == {0.25: 9, 0.5: 9, 1.0: 9, 2.0: 6, 4.0: 6, 8.0: 3}
+
+    def gold(kl):  # the fake runs' gain, on Gao's RL form
+        return math.sqrt(kl) * (0.5 - 0.1 * math.log(math.sqrt(kl)))
+
+    gains = []  # KL 8 is reached between the c = 0.0125 runs' evaluations at a quarter and half of their final KL
+    for seed in (1, 2, 3):
+        final = 16 * (1 + 0.1 * seed)
+        a, b = final / 4, final / 2
+        gains.append(gold(a) + (gold(b) - gold(a)) * (8 - a) / (b - a))
+    mean, low, high = controlled.mean_ci(gains)
+    assert rows[8.0][3] == f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]", rows[8.0]
+    # the optimum by gold from the 16 samples per query: found here by bisection on beta for KL(pi* || rho) = 1
+    samples = controlled.read_samples(str(controlled.frontier_dir(tmp_path, "labels_480") / "policy" /
+                                          "eval_samples.jsonl"), 0)  # fmt: skip
+    scores = np.stack([s["gold_score"] for s in samples.values()])
+    low_beta, high_beta = 1e-3, 1e3
+    for _ in range(100):
+        beta = math.sqrt(low_beta * high_beta)
+        low_beta, high_beta = (beta, high_beta) if controlled.optimum(scores, beta)["kl"] > 1 else (low_beta, beta)
+    at_1 = controlled.optimum(scores, beta)["score"] - scores.mean()
+    optimum_text, ess = rows[1.0][6].split(" (")
+    assert abs(float(optimum_text) - at_1) < 0.02 and 1 < float(ess.rstrip(")")) < 16, rows[1.0]
+    assert rows[1.0][4] == optimum_text  # direct RL's own reward is gold
+    ratio = float(rows[1.0][3].split()[0]) / float(optimum_text)
+    assert float(rows[1.0][7].rstrip(" |")) == pytest.approx(ratio, abs=0.01)
+    assert rows[8.0][6] == "—"  # beyond what 16 samples per query can reach (log 16 = 2.77 nats)
+    budgets = [row.split(" | ") for row in (tmp_path / "controlled.md").read_text().splitlines()
+               if row.startswith(("| labels_96 | 1 |", "| labels_480 | 1 |"))]  # fmt: skip
+    assert [row[4] == "—" for row in budgets if len(row) == 8] == [True, False]  # only labels_480 was sampled
