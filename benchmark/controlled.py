@@ -45,7 +45,8 @@ DIRECT = "direct"
 # On a 2-vCPU AMD EPYC with avx512_bf16 a policy run took 207-217 s (1.4x), and 3 of them side by side at 1 thread
 # each 544 s, 1.17x the throughput of one at a time at 2 threads (benchmark/README.md)
 CPU_SECONDS = dict(reward_fixed=25.0, reward_per_label=49 / 608 + 97 / 480, policy=150.0, per_sample=0.11)
-PAPER_GPU_HOURS = {"reward": 8 * 10 / 60, "policy": 8 * 1.5}  # as benchmark/ablations.py: estimates, not measured
+# as benchmark/ablations.py: estimates, not measured (an initial-policy sampling: one update and 64 x 32 samples)
+PAPER_GPU_HOURS = {"reward": 8 * 10 / 60, "policy": 8 * 1.5, "sampling": 8 * 5 / 60}
 MATCHED_KLS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 """the KLs (nats) at which the PPO runs are compared with the sampled optimum and best-of-n"""
 
@@ -140,6 +141,14 @@ def paper_commands(args: Args, out: Path) -> list[str]:
                                      "--seed", "{seed}", "--output-dir", str(run_dir(out, arm, kl_coef) / "policy"),
                                      *rewards, "--task.gold-labeler", "sentiment", "--rewards.kl-coef",
                                      f"{kl_coef:g}", "--rewards.no-use-adaptive-kl"]))  # fmt: skip
+    for index, arm in enumerate(arms(args)[:-1]):  # as at cpu scale: one update, its update-0 evaluation the samples
+        seed = index % args.num_seeds + 1
+        reward = run_dir(out, arm, args.kl_coefs[0], seed) / "reward" / "reward_model"
+        command = ["accelerate", "launch", "--num_processes", "8", "train_policy_accelerate.py", "--seed", str(seed),
+                   "--output-dir", str(frontier_dir(out, arm) / "policy"), "--rewards.trained-model", str(reward),
+                   "--task.gold-labeler", "sentiment", "--eval-samples-per-query", str(args.frontier_samples),
+                   "--ppo.total-episodes", "512"]  # fmt: skip
+        lines.append(f"test {{seed}} != {seed} || {shlex.join(command)}")
     return lines
 
 
@@ -149,8 +158,11 @@ def estimate(args: Args, out: Path) -> str:
     if args.scale == "paper":
         rewards = len(args.label_budgets) * args.num_seeds
         policies = len(arms(args)) * len(args.kl_coefs) * args.num_seeds
-        hours = rewards * PAPER_GPU_HOURS["reward"] + policies * PAPER_GPU_HOURS["policy"]
-        return f"{policies} policy runs, {rewards} reward models: ~{hours:.0f} GPU-hours (an estimate, not measured)"
+        samplings = len(args.label_budgets)
+        hours = (rewards * PAPER_GPU_HOURS["reward"] + policies * PAPER_GPU_HOURS["policy"]
+                 + samplings * PAPER_GPU_HOURS["sampling"])  # fmt: skip
+        return (f"{policies} policy runs, {rewards} reward models, {samplings} initial-policy samplings: ~{hours:.0f} "
+                "GPU-hours (an estimate, not measured)")  # fmt: skip
     seconds, left = 0.0, 0
     for arm in arms(args):
         for index, kl_coef in enumerate(args.kl_coefs):

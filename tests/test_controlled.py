@@ -102,11 +102,21 @@ def test_the_paper_scale_commands_parse_and_use_simulated_labels(tmp_path):
     lines = controlled.commands(args, tmp_path)
     rewards = [shlex.split(line) for line in lines if "train_reward_accelerate.py" in line]
     policies = [shlex.split(line) for line in lines if "train_policy_accelerate.py" in line]
-    assert len(rewards) == 3 and len(policies) == 12
+    assert len(rewards) == 3 and len(policies) == 15
+    samplings = [words for words in policies if words[0] == "test"]  # one per budget, in that seed's chain only
+    assert [words[:5] for words in samplings] == [["test", "{seed}", "!=", str(seed), "||"] for seed in (1, 2, 3)]
+    for words, budget, seed in zip(samplings, (1250, 5000, 20000), (1, 2, 3), strict=True):
+        parsed = run_utils.task_cli(P.task_defaults, words[words.index("train_policy_accelerate.py") + 1 :])
+        assert parsed.eval_samples_per_query == 32 and parsed.seed == seed
+        assert parsed.ppo.total_episodes == parsed.ppo.batch_size  # one update
+        assert Path(parsed.rewards.trained_model) == tmp_path / f"labels_{budget}" / "kl_0.2" / f"seed_{seed}" / (
+            "reward/reward_model"
+        )
+        assert Path(parsed.output_dir) == tmp_path / f"labels_{budget}" / "frontier" / "policy"
     for words in rewards:
         parsed = run_utils.task_cli(R.task_defaults, [w.replace("{seed}", "1") for w in words[2:]])
         assert parsed.labels.source == "sentiment" and parsed.labels.num_train in (1250, 5000, 20000)
-    for words in policies:
+    for words in (words for words in policies if words[0] != "test"):
         flags = [w.replace("{seed}", "1") for w in words[words.index("train_policy_accelerate.py") + 1 :]]
         parsed = run_utils.task_cli(P.task_defaults, flags)
         assert not parsed.rewards.use_adaptive_kl and parsed.task.gold_labeler == "sentiment"
