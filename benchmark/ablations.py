@@ -1,10 +1,11 @@
 """Which implementation details matter: the full recipe and each detail switched off (one flag per arm, see
 docs/details.md), over several seeds, then one report: a table (gold and reward-model score gains with 95% CIs over
-seeds, paired with the full recipe by seed, final KL, approxkl, clip fraction, divergence), the gold gains at one
-matched KL, and one picture.
+seeds, paired with the full recipe by seed, final KL, approxkl, clip fraction, divergence), the gold gains at
+matched KLs, and one picture.
 
     python benchmark/ablations.py --scale cpu --dry-run                # every arm's commands, nothing runs
     python benchmark/ablations.py --scale cpu --num-seeds 3            # run them here, one seed after another
+    python benchmark/ablations.py --threads 1 --launcher-args="--workers 3"   # the 3 seeds side by side, 1 thread each
     python benchmark/ablations.py --scale cpu --report-only            # the table and picture of finished runs
     python benchmark/ablations.py --scale paper --num-seeds 3 --launcher-args "--slurm --slurm-gpus-per-task 8"
 
@@ -61,6 +62,8 @@ PAPER_ONLY = {"whole-batch-whitening": Arm(("--ppo.whitening-ranks", "1"), chang
 ALL_ARMS = {**ARMS, **PAPER_ONLY}
 T_95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]  # Student t, 97.5%, df 1..10
 PAPER_GPU_HOURS = {"reward": 8 * 10 / 60, "policy": 8 * 1.5}  # estimates (README: ~10 min, ~1-2 h on 8 GPUs)
+MATCHED_KLS = (1.0, 2.0, 4.0, 8.0)
+"""nats at which the gold gains are compared (those below the largest KL every run reached, then that one)"""
 
 
 @dataclass
@@ -79,6 +82,9 @@ class Args:
     """cpu scale: quickstart.py --eval-every instead of its 8 (the evaluations before and after always run)"""
     smoke: bool = False
     """cpu scale: every run at quickstart.py --smoke sizes (the machinery in a few minutes, no result)"""
+    threads: Optional[int] = None
+    """cpu scale: CPU threads per quick start (default: the quick start's, every core). On 2 cores `--threads 1
+    --launcher-args="--workers 3"` runs the 3 seeds' chains side by side (benchmark/README.md: 1.17x the throughput)"""
     launcher_args: str = ""
     """extra flags of benchmark/benchmark.py, e.g. "--slurm --slurm-gpus-per-task 8 --slurm-partition gpu" """
     processes: int = 8
@@ -109,6 +115,8 @@ def arm_commands(args: Args, name: str, arm: Arm, out: Path) -> list[str]:
             command += ["--updates", str(args.updates)]
         if args.eval_every is not None:
             command += ["--eval-every", str(args.eval_every)]
+        if args.threads is not None:
+            command += ["--threads", str(args.threads)]
         if not own_reward:
             command += ["--reward-model", str(out / "full" / "seed_{seed}" / "reward" / "reward_model")]
         if arm.reward_flags:  # `--flag=value`: the value starts with "--"
@@ -191,25 +199,27 @@ def gain_at_kl(trace: list[tuple[float, float]], kl: float) -> Optional[float]:
 
 
 def matched_kl_table(runs: dict[str, dict[int, Optional[dict]]]) -> str:
-    """Gold gains compared at one KL (docs/ablations.md: an arm that drifts further buys more gold with more KL): at
-    the largest held-out KL every finished run reached, each arm's mean over seeds and its difference from the full
-    recipe, paired by seed."""
+    """Gold gains compared at common KLs (docs/ablations.md: an arm that drifts further buys more gold with more KL):
+    at 1, 2, 4, 8 nats below the largest held-out KL every finished run reached, and at that KL, each arm's mean over
+    seeds and its difference from the full recipe, paired by seed."""
     done = {name: {seed: run for seed, run in by_seed.items() if run is not None and "gold_gain" in run}
             for name, by_seed in runs.items()}  # fmt: skip
     reached = [max(kl for kl, _ in run["gold_kl_trace"]) for by_seed in done.values() for run in by_seed.values()]
     if not reached or min(reached) <= 0:
         return ""
-    kl = min(reached)
-    lines = [f"Gold gain at matched KL: {kl:.2f} nats, the largest held-out KL that every finished run reached (linear "
-             "between its evaluations).", "", "| arm | seeds | gold gain at that KL [95% CI] | minus full, paired "
-             "[95% CI] |", "|---|---|---|---|"]  # fmt: skip
-    full = {seed: gain_at_kl(run["gold_kl_trace"], kl) for seed, run in done.get("full", {}).items()}
-    for name, by_seed in done.items():
-        gains = {seed: gain_at_kl(run["gold_kl_trace"], kl) for seed, run in by_seed.items()}
-        mean, low, high = mean_ci(list(gains.values()))
-        pmean, plow, phigh = mean_ci([gain - full[seed] for seed, gain in gains.items() if seed in full])
-        paired = "—" if name == "full" else f"{pmean:+.3f} [{plow:+.3f}, {phigh:+.3f}]"
-        lines.append(f"| {name} | {len(gains)} | {mean:+.3f} [{low:+.3f}, {high:+.3f}] | {paired} |")
+    common = min(reached)
+    lines = [f"Gold gain at matched KLs, up to {common:.2f} nats, the largest held-out KL that every finished run "
+             "reached (each run read where its KL first reached it, linear between its evaluations).", "",
+             "| KL | arm | seeds | gold gain at that KL [95% CI] | minus full, paired [95% CI] |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for kl in [kl for kl in MATCHED_KLS if kl < common] + [common]:
+        full = {seed: gain_at_kl(run["gold_kl_trace"], kl) for seed, run in done.get("full", {}).items()}
+        for name, by_seed in done.items():
+            gains = {seed: gain_at_kl(run["gold_kl_trace"], kl) for seed, run in by_seed.items()}
+            mean, low, high = mean_ci(list(gains.values()))
+            pmean, plow, phigh = mean_ci([gain - full[seed] for seed, gain in gains.items() if seed in full])
+            paired = "—" if name == "full" else f"{pmean:+.3f} [{plow:+.3f}, {phigh:+.3f}]"
+            lines.append(f"| {kl:.2f} | {name} | {len(gains)} | {mean:+.3f} [{low:+.3f}, {high:+.3f}] | {paired} |")
     return "\n".join(lines) + "\n"
 
 
@@ -298,6 +308,8 @@ def plot(runs: dict, path: Path) -> None:
 
 def main(args: Args) -> None:
     arms = arms_of(args.scale, args.arms)
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit("error: --threads must be >= 1")
     out = Path(args.output_dir or f"runs/ablations/{args.scale}")
     if args.report_only:
         if not out.is_dir():

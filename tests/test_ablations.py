@@ -157,9 +157,14 @@ def test_report_pairs_each_arm_with_the_full_recipe_by_seed(tmp_path):
     # 0.10, mean 0.1 ± 4.303 · 0.05/√3; paired with the full recipe's 0.5, 0.6, 0.7: -0.45, -0.45, -0.6, mean -0.5 ±
     # 4.303 · 0.05
     matched = table.split("\n\n", 1)[1].splitlines()
-    assert matched[0].startswith("Gold gain at matched KL: 10.00 nats")
-    assert "| full | 3 | +0.600 [+0.352, +0.848] | — |" in matched
-    assert "| fixed-kl | 3 | +0.100 [-0.024, +0.224] | -0.500 [-0.715, -0.285] |" in matched
+    assert matched[0].startswith("Gold gain at matched KLs, up to 10.00 nats")
+    assert "| 10.00 | full | 3 | +0.600 [+0.352, +0.848] | — |" in matched
+    assert "| 10.00 | fixed-kl | 3 | +0.100 [-0.024, +0.224] | -0.500 [-0.715, -0.285] |" in matched
+    # and at 1, 2, 4, 8 nats on the way: at 4 the full recipe (KL 10 at its end) had 0.4 of its gains, 0.2, 0.24,
+    # 0.28; the arm 0.2 of its own: 0.02, 0.06, 0.04, paired -0.18, -0.18, -0.24
+    assert [row.split(" | ")[0] for row in matched[4:]] == [f"| {kl:.2f}" for kl in (1, 2, 4, 8, 10) for _ in "ab"]
+    assert "| 4.00 | full | 3 | +0.240 [+0.141, +0.339] | — |" in matched
+    assert "| 4.00 | fixed-kl | 3 | +0.040 [-0.010, +0.090] | -0.200 [-0.286, -0.114] |" in matched
 
 
 def test_gain_at_kl_interpolates_where_the_run_first_reached_it():
@@ -177,7 +182,22 @@ def test_shrinking_flags_reach_every_cpu_run(tmp_path):
         words = shlex.split(line)
         assert words[words.index("--updates") + 1] == "20" and words[words.index("--eval-every") + 1] == "10", name
     (plain,) = ablations.arm_commands(ablations.Args(), "full", ablations.ARMS["full"], tmp_path)
-    assert "--updates" not in plain and "--eval-every" not in plain
+    assert "--updates" not in plain and "--eval-every" not in plain and "--threads" not in plain
+
+
+def test_seeds_side_by_side_get_their_threads_and_the_launcher_its_workers(tmp_path):
+    args = ablations.Args(threads=1, launcher_args="--workers 3", output_dir=str(tmp_path))
+    command = ablations.launcher_command(args, ablations.arms_of("cpu", ()), tmp_path)
+    assert command[command.index("--workers") + 1] == "3"
+    chain = [command[i + 1] for i, word in enumerate(command) if word == "--command"]
+    assert len(chain) == len(ablations.ARMS)
+    for line in chain:
+        words = shlex.split(line.split(" || ")[-1])
+        options = quickstart.parse_args(quickstart.build_parser(), [w.replace("{seed}", "1") for w in words[2:]])
+        assert options.threads == 1, line
+    bad = subprocess.run([sys.executable, str(REPO / "benchmark" / "ablations.py"), "--dry-run", "--threads", "0"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
+    assert bad.returncode == 1 and bad.stderr.strip() == "error: --threads must be >= 1"
 
 
 def test_a_rerun_skips_the_finished_quick_starts_and_runs_the_others(tmp_path):
