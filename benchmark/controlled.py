@@ -187,7 +187,7 @@ def estimate(args: Args, out: Path) -> str:
 # the report
 def read_curve(directory: Path) -> Optional[dict]:
     """A finished quick start's held-out evaluations: episodes, KL, gold and reward-model score; its reward model's
-    held-out accuracy when it trained one. None if it has not finished."""
+    held-out accuracy and the labeler's own (the ceiling) when it trained one. None if it has not finished."""
     if not (directory / "summary.json").exists():
         return None
     summary = json.loads((directory / "summary.json").read_text())
@@ -195,7 +195,8 @@ def read_curve(directory: Path) -> Optional[dict]:
     evals = [row for row in rows if "eval/gold_score" in row]
     return dict(episode=[row["episode"] for row in evals], kl=[row["eval/kl"] for row in evals],
                 gold=[row["eval/gold_score"] for row in evals], rm=[row["eval/rm_score"] for row in evals],
-                accuracy=summary.get("reward_model", {}).get("test_accuracy"))  # fmt: skip
+                accuracy=summary.get("reward_model", {}).get("test_accuracy"),
+                ceiling=summary.get("reward_model", {}).get("labeler_ceiling"))  # fmt: skip
 
 
 def frontier_of(directory: Path, betas) -> Optional[dict]:
@@ -222,7 +223,8 @@ def report(args: Args, out: Path) -> str:
                     for kl_coef in args.kl_coefs} for arm in arms(args)}  # fmt: skip
     betas = [2.0 ** (k / 2) for k in range(4, -13, -1)]  # 4 .. 1/64
     frontiers = {arm: frontier_of(frontier_dir(out, arm), betas) for arm in arms(args)[:-1]}
-    lines = ["| arm | KL coefficient | seeds | reward model accuracy | final KL | final gold gain [95% CI] |",
+    lines = ["| arm | KL coefficient | seeds | reward model accuracy, held out (chance 0.25) | final KL | "
+             "final gold gain [95% CI] |",
              "|---|---|---|---|---|---|"]  # fmt: skip
     fitted: dict[str, Optional[dict]] = {}
     fits = ["| arm | runs | form | alpha | beta | points fitted / predicted | fit RMSE | prediction RMSE | "
@@ -234,7 +236,9 @@ def report(args: Args, out: Path) -> str:
             gains = [curve["gold"][-1] - curve["gold"][0] for curve in done]
             mean, low, high = mean_ci(gains)
             accuracy = [curve["accuracy"] for curve in done if curve["accuracy"] is not None]
+            ceiling = [curve["ceiling"] for curve in done if curve.get("ceiling") is not None]
             accuracy_text = f"{sum(accuracy) / len(accuracy):.3f}" if accuracy else "—"
+            accuracy_text += f" (ceiling {sum(ceiling) / len(ceiling):.3f})" if ceiling else ""
             final_kl = sum(curve["kl"][-1] for curve in done) / len(done) if done else math.nan
             lines.append(f"| {arm} | {kl_coef:g} | {len(done)} | {accuracy_text} | {final_kl:.2f} | "
                          f"{mean:+.3f} [{low:+.3f}, {high:+.3f}] |")  # fmt: skip

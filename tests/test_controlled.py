@@ -156,7 +156,8 @@ def fake_quick_start(directory: Path, arm: str, kl_coef: float, seed: int) -> No
         rows.append({"update": update, "episode": 16 * update, "eval/kl": kl, "eval/gold_score": gold,
                      "eval/rm_score": 0.0})  # fmt: skip
     (directory / "policy" / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    summary = {"reward_model": {"test_accuracy": 0.3 + 0.001 * seed}} if arm != "direct" else {}
+    summary = {"reward_model": {"test_accuracy": 0.3 + 0.001 * seed, "labeler_ceiling": 0.7 + 0.1 * seed}}
+    summary = summary if arm != "direct" else {}
     (directory / "summary.json").write_text(json.dumps(summary))
 
 
@@ -185,7 +186,7 @@ def test_report_fits_each_arm_and_tabulates_the_final_gains(tmp_path):
     gains = [math.sqrt(k) * (0.5 - 0.1 * math.log(math.sqrt(k))) for k in (4.4, 4.8, 5.2)]
     mean, low, high = controlled.mean_ci(gains)
     assert final.endswith(f"| {mean:+.3f} [{low:+.3f}, {high:+.3f}] |"), final
-    assert any(row.startswith("| labels_96 | 0.2 | 3 | 0.302 |") for row in rows)
+    assert any(row.startswith("| labels_96 | 0.2 | 3 | 0.302 (ceiling 0.900) |") for row in rows)
     assert any(row.startswith("| labels_480 | 1 | best-of-n by gold: d (α − β d) |") for row in rows)
     assert (tmp_path / "controlled.md").read_text() == table and (tmp_path / "controlled.png").stat().st_size > 1000
 
