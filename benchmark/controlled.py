@@ -248,7 +248,8 @@ def report(args: Args, out: Path) -> str:
                 for kl, gold in zip(curve["kl"], curve["gold"], strict=True)
             ]
         fitted[arm] = fit_gao([kl for kl, _ in points], [gain for _, gain in points], "rl") if points else None
-        fits.append(fit_row(arm, len(points), "RL: d (α − β log d)", fitted[arm]))
+        runs = sum(curve is not None for by_seed in by_coef.values() for curve in by_seed.values())
+        fits.append(fit_row(arm, runs, "RL: d (α − β log d)", fitted[arm]))
     for arm, frontier in frontiers.items():
         if frontier is not None:
             for key, name in (("best_of_n_gold", "best-of-n by gold"), ("best_of_n_rm", "best-of-n by this RM")):
@@ -355,7 +356,8 @@ def plot(args: Args, curves: dict, frontiers: dict, fitted: dict, path: Path) ->
     right.set(title="gold gain against KL", xlabel="KL(policy || initial), nats", ylabel="gold gain")
     for axis in (left, right):
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=7)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=90)
     plt.close(figure)

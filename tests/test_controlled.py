@@ -179,7 +179,8 @@ def test_report_fits_each_arm_and_tabulates_the_final_gains(tmp_path):
     table = controlled.report(ARGS, tmp_path)
     rows = table.splitlines()
     for arm, alpha in ALPHA.items():  # every point on the form: alpha and beta back, the upper half predicted exactly
-        (fit,) = [row for row in rows if row.startswith(f"| {arm} | 45 | RL: ")]
+        (fit,) = [row for row in rows if row.startswith(f"| {arm} | 9 | RL: ")]  # 9 runs of 5 evaluations each
+        assert "| 39 / 6 |" in fit, fit
         assert f"| {alpha:.3f} | {BETA:.3f} |" in fit and fit.endswith("| 0.000 | 0.000 | 0.000 |"), fit
     # direct RL at KL coefficient 0.05: final KL 4 / (0.05 x 20) x (1.1, 1.2, 1.3) = 4.4, 4.8, 5.2, mean 4.8
     (final,) = [row for row in rows if row.startswith("| direct | 0.05 | 3 | — | 4.80 |")]
