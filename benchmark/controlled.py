@@ -351,13 +351,14 @@ def plot(args: Args, curves: dict, frontiers: dict, fitted: dict, path: Path) ->
         if frontier is not None:
             right.plot(*zip(*[(kl, gain) for kl, gain, _ in frontier["optimum_gold"]], strict=True), "k-",
                        label="optimum by gold (sampled)" if arm == sampled[0] else None)  # fmt: skip
-            right.plot(*zip(*frontier["best_of_n_rm"], strict=True), "--", label=f"best-of-n by {arm}'s RM")
+            right.plot(*zip(*frontier["best_of_n_rm"], strict=True), "--", color=f"C{list(curves).index(arm)}",
+                       label=f"best-of-n by {arm}'s RM")  # fmt: skip
     left.set(title=f"held-out gold score (KL coefficient {middle:g})", xlabel="episodes", ylabel="gold score")
     right.set(title="gold gain against KL", xlabel="KL(policy || initial), nats", ylabel="gold gain")
     for axis in (left, right):
         axis.grid(alpha=0.3)
         if axis.get_legend_handles_labels()[0]:
-            axis.legend(fontsize=7)
+            axis.legend(fontsize=7, loc="upper left" if axis is left else "lower right")
     figure.tight_layout()
     figure.savefig(path, dpi=90)
     plt.close(figure)
