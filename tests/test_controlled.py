@@ -170,12 +170,17 @@ def fake_frontier(directory: Path) -> None:
     (directory / "summary.json").write_text("{}")
 
 
-def test_report_fits_each_arm_and_tabulates_the_final_gains(tmp_path):
+def fake_study(out: Path) -> None:
+    """Every arm, coefficient and seed finished; only labels_480's initial policy sampled."""
     for arm in controlled.arms(ARGS):
         for kl_coef in ARGS.kl_coefs:
             for seed in (1, 2, 3):
-                fake_quick_start(controlled.run_dir(tmp_path, arm, kl_coef, seed), arm, kl_coef, seed)
-    fake_frontier(controlled.frontier_dir(tmp_path, "labels_480"))
+                fake_quick_start(controlled.run_dir(out, arm, kl_coef, seed), arm, kl_coef, seed)
+    fake_frontier(controlled.frontier_dir(out, "labels_480"))
+
+
+def test_report_fits_each_arm_and_tabulates_the_final_gains(tmp_path):
+    fake_study(tmp_path)
     table = controlled.report(ARGS, tmp_path)
     rows = table.splitlines()
     for arm, alpha in ALPHA.items():  # every point on the form: alpha and beta back, the upper half predicted exactly
@@ -193,11 +198,7 @@ def test_report_fits_each_arm_and_tabulates_the_final_gains(tmp_path):
 
 
 def test_report_puts_ppo_next_to_the_sampled_optimum_at_matched_kls(tmp_path):
-    for arm in controlled.arms(ARGS):
-        for kl_coef in ARGS.kl_coefs:
-            for seed in (1, 2, 3):
-                fake_quick_start(controlled.run_dir(tmp_path, arm, kl_coef, seed), arm, kl_coef, seed)
-    fake_frontier(controlled.frontier_dir(tmp_path, "labels_480"))
+    fake_study(tmp_path)
     rows = [row.split(" | ") for row in controlled.report(ARGS, tmp_path).splitlines() if row.startswith("| direct | ")]
     rows = {float(row[1]): row for row in rows if len(row) == 8}
     # final KLs: 4 / (20 c) x (1.1, 1.2, 1.3) -> c = 0.2: 1.1-1.3, c = 0.05: 4.4-5.2, c = 0.0125: 17.6-20.8
