@@ -200,26 +200,32 @@ def gain_at_kl(trace: list[tuple[float, float]], kl: float) -> Optional[float]:
 
 def matched_kl_table(runs: dict[str, dict[int, Optional[dict]]]) -> str:
     """Gold gains compared at common KLs (docs/ablations.md: an arm that drifts further buys more gold with more KL):
-    at 1, 2, 4, 8 nats below the largest held-out KL every finished run reached, and at that KL, each arm's mean over
-    seeds and its difference from the full recipe, paired by seed."""
+    at 1, 2, 4, 8 nats below the largest held-out KL every finished run reached, and at that KL. One row per arm with a
+    finished run, one column per KL: the full recipe's own gain, and each arm's difference from it, paired by seed."""
     done = {name: {seed: run for seed, run in by_seed.items() if run is not None and "gold_gain" in run}
             for name, by_seed in runs.items()}  # fmt: skip
+    done = {name: by_seed for name, by_seed in done.items() if by_seed}
     reached = [max(kl for kl, _ in run["gold_kl_trace"]) for by_seed in done.values() for run in by_seed.values()]
-    if not reached or min(reached) <= 0:
+    if not reached or min(reached) <= 0 or "full" not in done:
         return ""
     common = min(reached)
+    kls = [kl for kl in MATCHED_KLS if kl < common] + [common]
     lines = [f"Gold gain at matched KLs, up to {common:.2f} nats, the largest held-out KL that every finished run "
-             "reached (each run read where its KL first reached it, linear between its evaluations).", "",
-             "| KL | arm | seeds | gold gain at that KL [95% CI] | minus full, paired [95% CI] |",
-             "|---|---|---|---|---|"]  # fmt: skip
-    for kl in [kl for kl in MATCHED_KLS if kl < common] + [common]:
-        full = {seed: gain_at_kl(run["gold_kl_trace"], kl) for seed, run in done.get("full", {}).items()}
-        for name, by_seed in done.items():
+             "reached (each run read where its KL first reached it, linear between its evaluations). The full "
+             "recipe's row is its own gain [95% CI]; every other row is the arm minus the full recipe, paired by seed "
+             "[95% CI].", "",
+             "| arm | seeds | " + " | ".join(f"{kl:.2f} nats" for kl in kls) + " |",
+             "|---|---|" + "---|" * len(kls)]  # fmt: skip
+    full = {kl: {seed: gain_at_kl(run["gold_kl_trace"], kl) for seed, run in done["full"].items()} for kl in kls}
+    for name, by_seed in done.items():
+        cells = []
+        for kl in kls:
             gains = {seed: gain_at_kl(run["gold_kl_trace"], kl) for seed, run in by_seed.items()}
-            mean, low, high = mean_ci(list(gains.values()))
-            pmean, plow, phigh = mean_ci([gain - full[seed] for seed, gain in gains.items() if seed in full])
-            paired = "—" if name == "full" else f"{pmean:+.3f} [{plow:+.3f}, {phigh:+.3f}]"
-            lines.append(f"| {kl:.2f} | {name} | {len(gains)} | {mean:+.3f} [{low:+.3f}, {high:+.3f}] | {paired} |")
+            values = list(gains.values()) if name == "full" else [
+                gain - full[kl][seed] for seed, gain in gains.items() if seed in full[kl]]  # fmt: skip
+            mean, low, high = mean_ci(values)
+            cells.append(f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]")
+        lines.append(f"| {name} | {len(by_seed)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
