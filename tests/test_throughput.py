@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO
 
 
@@ -70,4 +71,28 @@ def test_ppo_profile_splits_the_step_by_kind_of_operation():
     others = set(row["top_other_ops_profiled_ms"])
     assert others and not others & {"aten::mm", "aten::addmm", "aten::bmm"}
     assert row["mfu"] == pytest.approx(row["seconds_at_peak"] / row["seconds_per_step"], rel=1e-6)
+    assert 2 <= row["warmup_steps"] <= 12  # until a step faults in no new page, at most --max-warmup-steps
     assert "| part of the step |" in result.stdout and result.stdout.count("| ") >= 10  # the table
+
+
+def test_ppo_profile_warms_up_until_a_step_faults_in_no_new_page():
+    """ppo_profile.settle: warm-up steps go on until one takes no new page from the kernel (at least 2, at most the
+    cap), so that the profile does not time the allocator's first steps."""
+    sys.path.insert(0, str(REPO / "benchmark"))
+    import ppo_profile
+
+    kept = []  # what the steps allocate stays allocated, so each new block is fresh memory
+
+    def step_allocating(megabytes_per_step: list[int]):  # its first len(...) calls fill new memory, the rest nothing
+        calls = iter(megabytes_per_step)
+
+        def step():
+            megabytes = next(calls, 0)
+            if megabytes:
+                kept.append(torch.ones(megabytes * 2**18))  # float32: written, so faulted in, page by page
+
+        return step
+
+    assert ppo_profile.settle(step_allocating([80, 80, 80]), 12) == 4
+    assert ppo_profile.settle(step_allocating([]), 12) == 2  # no faults at all: still 2 steps
+    assert ppo_profile.settle(step_allocating([80] * 20), 5) == 5  # never settles: the cap
