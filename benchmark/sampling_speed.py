@@ -3,13 +3,17 @@ with Hugging Face generate() set up to sample the same distribution (what the sc
 torch.multinomial): seconds per call, median of --repeats after a warm-up, on models with random weights (no
 download; the token count is fixed, so weights don't change the work). For label sampling (4 samples per query) also
 the loop with each context's forward shared by its samples, as the reward script samples labels. One JSON line per
-setting; tests/test_policy_units.py checks what the loop draws.
+setting; tests/test_policy_units.py checks what the loop draws. Against two floors: the loop's matrix products timed
+alone, each shape on one weight that stays in the CPU's cache (`matmul_floor`), and in the loop's order on as many
+distinct weights as the model has, which a sampling step streams from memory (`streaming_matmul_floor`).
 
     python benchmark/sampling_speed.py                      # GPT-2 124M batch 8, and the quick start's SmolLM2 settings
     python benchmark/sampling_speed.py --settings gpt2      # one of them
 """
 
+import collections
 import json
+import math
 import statistics
 import sys
 import time
@@ -105,6 +109,41 @@ def matmul_floor(function, arguments: tuple, repeats: int) -> float:
     return sum(count * seconds for _, count, seconds in matrix_products(function, arguments, repeats))
 
 
+def product_sequence(function, arguments: tuple, model: torch.nn.Module) -> list[list[torch.Tensor]]:
+    """The call's matrix products in the order it ran them, as operand pairs of random tensors of their shapes: an
+    operand of a weight's size takes, in turn, one of as many tensors as the model has weights of that size (so that
+    the replay reads as many bytes of weights as the call); any other operand one tensor per shape."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
+        function(*arguments)
+    sizes = collections.Counter(parameter.numel() for parameter in model.parameters())
+    pools, turns, sequence = {}, collections.Counter(), []
+    for event in profile.events():
+        if event.name in PRODUCTS:
+            operands = []
+            for shape in map(tuple, event.input_shapes[PRODUCTS[event.name]]):
+                if shape not in pools:
+                    pools[shape] = [torch.randn(shape) for _ in range(max(sizes[math.prod(shape)], 1))]
+                operands.append(pools[shape][turns[shape] % len(pools[shape])])
+                turns[shape] += 1
+            sequence.append(operands)
+    return sequence
+
+
+def streaming_matmul_floor(function, arguments: tuple, model: torch.nn.Module, repeats: int) -> float:
+    """Seconds the call's matrix products alone take in the call's order with as many distinct weights as the model
+    has of each size, the best of `repeats` replays. matmul_floor times each shape on one weight, 10 times over, so
+    that weight stays in the CPU's cache; a sampling step reads every weight of the model once (GPT-2 124M: ~500 MB,
+    far more than any cache), so its products wait on memory too: this floor counts that trip."""
+    sequence = product_sequence(function, arguments, model)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first replay is a warm-up
+        start = time.perf_counter()
+        for a, b in sequence:
+            a @ b
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def main(args: Args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -119,11 +158,14 @@ def main(args: Args) -> None:
             library = seconds(library_generate, (lm, rows, pad_id, length, 0.7), args.repeats)
             loop = seconds(sample_responses, (lm, rows, pad_id, length, 0.7), args.repeats)
             floor = matmul_floor(sample_responses, (lm, rows, pad_id, length, 0.7), args.repeats)
+            streaming = streaming_matmul_floor(sample_responses, (lm, rows, pad_id, length, 0.7), lm, args.repeats)
             row = dict(setting=setting, batch=len(rows), samples_per_context=samples, context=context_length,
                        response=length, threads=torch.get_num_threads(), generate_s=round(library, 4),
                        loop_s=round(loop, 4), loop_over_generate=round(loop / library, 3),
                        matmul_floor_s=round(floor, 4), loop_over_floor=round(loop / floor, 3),
-                       generate_over_floor=round(library / floor, 3))  # fmt: skip
+                       generate_over_floor=round(library / floor, 3), streaming_floor_s=round(streaming, 4),
+                       loop_over_streaming_floor=round(loop / streaming, 3),
+                       generate_over_streaming_floor=round(library / streaming, 3))  # fmt: skip
             if samples > 1:
                 shared = seconds(sample_responses, (lm, contexts, pad_id, length, 0.7, samples), args.repeats)
                 row.update(shared_context_s=round(shared, 4), shared_over_generate=round(shared / library, 3))

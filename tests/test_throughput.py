@@ -53,6 +53,26 @@ def test_sampling_speed_compares_the_loop_with_generate():
     assert row["setting"] == "tiny" and row["batch"] == 4 and row["samples_per_context"] == 2
     assert all(row[key] > 0 for key in ("generate_s", "loop_s", "loop_over_generate", "shared_context_s"))
     assert 0 < row["matmul_floor_s"] < row["loop_s"]  # the loop's own products, timed alone: a part of its time
+    assert 0 < row["streaming_floor_s"] < row["loop_s"]  # the same, in order, on the model's count of weights
+    # the seconds are rounded to 0.1 ms and the tiny loop takes a few ms: the ratio of the rounded values within 5%
+    assert row["loop_over_streaming_floor"] == pytest.approx(row["loop_s"] / row["streaming_floor_s"], rel=0.05)
+
+
+def test_streaming_floor_replays_the_products_on_as_many_weights_as_the_model_has():
+    """sampling_speed.product_sequence: the call's products in order; an operand of a weight's size cycles through as
+    many tensors as the model has weights of that size (3 layers of 64 x 64 here: 3 distinct ones, in turn), other
+    operands (the activations) one tensor per shape."""
+    sys.path.insert(0, str(REPO / "benchmark"))
+    import sampling_speed
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64, bias=False) for _ in range(3)), torch.nn.Linear(64, 8))
+    x = torch.randn(5, 64)
+    sequence = sampling_speed.product_sequence(lambda: model(model[:3](x)), (), model)
+    assert [tuple(b.shape) for _, b in sequence] == [(64, 64)] * 6 + [(64, 8)]  # 3 + 3 layers, then the head
+    weights = [id(b) for _, b in sequence[:6]]
+    assert len(set(weights[:3])) == 3 and weights[3:] == weights[:3]  # 3 distinct weights, in turn
+    assert len({id(a) for a, _ in sequence}) == 1  # one (5, 64) activation for every product
+    assert sampling_speed.streaming_matmul_floor(lambda: model(x), (), model, 2) > 0
 
 
 def test_ppo_profile_splits_the_step_by_kind_of_operation():
