@@ -129,14 +129,14 @@ def main(args: Args) -> None:
     }
     parts["everything else"] = seconds - sum(parts.values())
     result = dict(model=args.model, batch_size=B, query_length=C, response_length=T, threads=torch.get_num_threads(),
-                  warmup_steps=warmup_steps, seconds_per_step=seconds, model_tflop=flops / 1e12, peak_tflops=peak / 1e12, mfu=flops / peak / seconds,
-                  seconds_at_peak=flops / peak, parts=parts,
+                  warmup_steps=warmup_steps, seconds_per_step=seconds, model_tflop=flops / 1e12,
+                  peak_tflops=peak / 1e12, mfu=flops / peak / seconds, seconds_at_peak=flops / peak, parts=parts,
                   trunk_products_fraction_of_peak=(flops - head_flops) / peak / trunk_products,
                   head_products_fraction_of_peak=head_flops / peak / vocabulary_products,
                   top_other_ops_profiled_ms={e.key: round(e.self_cpu_time_total / 1e3, 1) for e in others[:8]})  # fmt: skip
     print(json.dumps(result), flush=True)
-    print(f"\n{args.model}, batch {B}, {C} + {T} tokens, {torch.get_num_threads()} threads, {warmup_steps} warm-up steps: "
-          f"{seconds:.3f} s per step, "
+    print(f"\n{args.model}, batch {B}, {C} + {T} tokens, {torch.get_num_threads()} threads, {warmup_steps} warm-up "
+          f"steps: {seconds:.3f} s per step, "
           f"{flops / peak:.3f} s at the measured peak of {peak / 1e12:.3f} TFLOP/s (MFU {flops / peak / seconds:.2f}); "
           f"the trunk's products alone at {result['trunk_products_fraction_of_peak']:.0%} of that peak, the LM head's "
           f"at {result['head_products_fraction_of_peak']:.0%}\n")  # fmt: skip
