@@ -13,6 +13,7 @@ overhead inflates those times; read them as a ranking).
 """
 
 import json
+import resource
 import statistics
 import sys
 import tempfile
@@ -28,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmark"))
 
-from sampling_speed import PRODUCTS, matrix_products  # noqa: E402
+from sampling_speed import PRODUCTS, matrix_products, product_shapes  # noqa: E402
 from throughput import SIZES, measure_peak_tflops  # noqa: E402
 
 import run_utils  # noqa: E402
@@ -52,8 +53,6 @@ class Args:
 
 
 def minor_page_faults() -> int:
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
@@ -110,7 +109,7 @@ def main(args: Args) -> None:
     timed = [step() for _ in range(args.repeats)]
     seconds = statistics.median(sum(t) for t in timed)
     optimizer_seconds = statistics.median(t[1] for t in timed)
-    products = matrix_products(forward_backward, (), args.repeats)
+    products = matrix_products(product_shapes(forward_backward, ()), args.repeats)
     optimizer.zero_grad()
     vocabulary_products = sum(n * t for shapes, n, t in products if vocab in (d for shape in shapes for d in shape))
     trunk_products = sum(n * t for _, n, t in products) - vocabulary_products

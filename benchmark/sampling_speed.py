@@ -83,58 +83,59 @@ def seconds(function, arguments: tuple, repeats: int) -> float:
 PRODUCTS = {"aten::mm": slice(0, 2), "aten::addmm": slice(1, 3), "aten::bmm": slice(0, 2)}  # where the operands are
 
 
-def matrix_products(function, arguments: tuple, repeats: int) -> list[tuple[tuple, int, float]]:
-    """The call's matrix products as (operand shapes, count, seconds of one): the products of one profiled call
-    (torch.profiler records their operands' shapes), each timed on its own with contiguous random operands, the best
-    of `repeats` measurements. No implementation of the call can do them faster; its other time is everything else."""
+def product_shapes(function, arguments: tuple) -> list[tuple[tuple, tuple]]:
+    """The operand shapes of the call's matrix products, in the order it ran them (torch.profiler records them)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
         function(*arguments)
+    return [tuple(map(tuple, e.input_shapes[PRODUCTS[e.name]])) for e in profile.events() if e.name in PRODUCTS]
+
+
+def matrix_products(shapes: list[tuple[tuple, tuple]], repeats: int) -> list[tuple[tuple, int, float]]:
+    """The products of `shapes` (product_shapes) as (operand shapes, count, seconds of one): each shape timed on its
+    own with contiguous random operands, the best of `repeats` measurements. No implementation of the call can do
+    them faster; its other time is everything else."""
     products = []
-    for event in profile.key_averages(group_by_input_shape=True):
-        if event.key in PRODUCTS:
-            a, b = (torch.randn(shape) for shape in event.input_shapes[PRODUCTS[event.key]])
-            a @ b  # warm-up
-            best = float("inf")
-            for _ in range(repeats):  # 10 products a measurement: one small product is a few microseconds
-                start = time.perf_counter()
-                for _ in range(10):
-                    a @ b
-                best = min(best, (time.perf_counter() - start) / 10)
-            products.append(((tuple(a.shape), tuple(b.shape)), event.count, best))
+    for (a_shape, b_shape), count in collections.Counter(shapes).items():
+        a, b = torch.randn(a_shape), torch.randn(b_shape)
+        a @ b  # warm-up
+        best = float("inf")
+        for _ in range(repeats):  # 10 products a measurement: one small product is a few microseconds
+            start = time.perf_counter()
+            for _ in range(10):
+                a @ b
+            best = min(best, (time.perf_counter() - start) / 10)
+        products.append(((a_shape, b_shape), count, best))
     return products
 
 
-def matmul_floor(function, arguments: tuple, repeats: int) -> float:
-    """Seconds the call's matrix products alone take at their shapes (matrix_products, summed)."""
-    return sum(count * seconds for _, count, seconds in matrix_products(function, arguments, repeats))
+def matmul_floor(shapes: list[tuple[tuple, tuple]], repeats: int) -> float:
+    """Seconds the products alone take at their shapes, each on one operand pair that stays in the CPU's cache."""
+    return sum(count * seconds for _, count, seconds in matrix_products(shapes, repeats))
 
 
-def product_sequence(function, arguments: tuple, model: torch.nn.Module) -> list[list[torch.Tensor]]:
-    """The call's matrix products in the order it ran them, as operand pairs of random tensors of their shapes: an
-    operand of a weight's size takes, in turn, one of as many tensors as the model has weights of that size (so that
-    the replay reads as many bytes of weights as the call); any other operand one tensor per shape."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
-        function(*arguments)
+def product_sequence(shapes: list[tuple[tuple, tuple]], model: torch.nn.Module) -> list[list[torch.Tensor]]:
+    """The products of `shapes` in order, as operand pairs of random tensors: an operand of a weight's size takes, in
+    turn, one of as many tensors as the model has weights of that size (so that the replay reads as many bytes of
+    weights as the call); any other operand one tensor per shape."""
     sizes = collections.Counter(parameter.numel() for parameter in model.parameters())
     pools, turns, sequence = {}, collections.Counter(), []
-    for event in profile.events():
-        if event.name in PRODUCTS:
-            operands = []
-            for shape in map(tuple, event.input_shapes[PRODUCTS[event.name]]):
-                if shape not in pools:
-                    pools[shape] = [torch.randn(shape) for _ in range(max(sizes[math.prod(shape)], 1))]
-                operands.append(pools[shape][turns[shape] % len(pools[shape])])
-                turns[shape] += 1
-            sequence.append(operands)
+    for pair in shapes:
+        operands = []
+        for shape in pair:
+            if shape not in pools:
+                pools[shape] = [torch.randn(shape) for _ in range(max(sizes[math.prod(shape)], 1))]
+            operands.append(pools[shape][turns[shape] % len(pools[shape])])
+            turns[shape] += 1
+        sequence.append(operands)
     return sequence
 
 
-def streaming_matmul_floor(function, arguments: tuple, model: torch.nn.Module, repeats: int) -> float:
-    """Seconds the call's matrix products alone take in the call's order with as many distinct weights as the model
-    has of each size, the best of `repeats` replays. matmul_floor times each shape on one weight, 10 times over, so
-    that weight stays in the CPU's cache; a sampling step reads every weight of the model once (GPT-2 124M: ~500 MB,
-    far more than any cache), so its products wait on memory too: this floor counts that trip."""
-    sequence = product_sequence(function, arguments, model)
+def streaming_matmul_floor(shapes: list[tuple[tuple, tuple]], model: torch.nn.Module, repeats: int) -> float:
+    """Seconds the products take in the call's order with as many distinct weights as the model has of each size,
+    the best of `repeats` replays. matmul_floor times each shape on one weight, 10 times over, so that weight stays in
+    the CPU's cache; a sampling step reads every weight of the model once (GPT-2 124M: ~500 MB, far more than any
+    cache), so its products wait on memory too: this floor counts that trip."""
+    sequence = product_sequence(shapes, model)
     best = float("inf")
     for _ in range(repeats + 1):  # the first replay is a warm-up
         start = time.perf_counter()
@@ -157,8 +158,8 @@ def main(args: Args) -> None:
         with torch.no_grad():
             library = seconds(library_generate, (lm, rows, pad_id, length, 0.7), args.repeats)
             loop = seconds(sample_responses, (lm, rows, pad_id, length, 0.7), args.repeats)
-            floor = matmul_floor(sample_responses, (lm, rows, pad_id, length, 0.7), args.repeats)
-            streaming = streaming_matmul_floor(sample_responses, (lm, rows, pad_id, length, 0.7), lm, args.repeats)
+            shapes = product_shapes(sample_responses, (lm, rows, pad_id, length, 0.7))
+            floor, streaming = matmul_floor(shapes, args.repeats), streaming_matmul_floor(shapes, lm, args.repeats)
             row = dict(setting=setting, batch=len(rows), samples_per_context=samples, context=context_length,
                        response=length, threads=torch.get_num_threads(), generate_s=round(library, 4),
                        loop_s=round(loop, 4), loop_over_generate=round(loop / library, 3),

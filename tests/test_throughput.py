@@ -59,20 +59,27 @@ def test_sampling_speed_compares_the_loop_with_generate():
 
 
 def test_streaming_floor_replays_the_products_on_as_many_weights_as_the_model_has():
-    """sampling_speed.product_sequence: the call's products in order; an operand of a weight's size cycles through as
-    many tensors as the model has weights of that size (3 layers of 64 x 64 here: 3 distinct ones, in turn), other
-    operands (the activations) one tensor per shape."""
+    """sampling_speed: the call's products recorded once, in order (product_shapes), timed by shape (matrix_products)
+    and replayed in order (product_sequence), where an operand of a weight's size cycles through as many tensors as
+    the model has weights of that size (3 layers of 64 x 64 here: 3 distinct ones, in turn) and other operands (the
+    activations) take one tensor per shape."""
     sys.path.insert(0, str(REPO / "benchmark"))
     import sampling_speed
 
     model = torch.nn.Sequential(*(torch.nn.Linear(64, 64, bias=False) for _ in range(3)), torch.nn.Linear(64, 8))
     x = torch.randn(5, 64)
-    sequence = sampling_speed.product_sequence(lambda: model(model[:3](x)), (), model)
+    shapes = sampling_speed.product_shapes(lambda: model(model[:3](x)), ())
+    assert [b for _, b in shapes] == [(64, 64)] * 6 + [(64, 8)] and {a for a, _ in shapes} == {(5, 64)}
+    assert [(pair, count) for pair, count, _ in sampling_speed.matrix_products(shapes, 1)] == [
+        (((5, 64), (64, 64)), 6),
+        (((5, 64), (64, 8)), 1),
+    ]  # each shape timed once, with its count
+    sequence = sampling_speed.product_sequence(shapes, model)
     assert [tuple(b.shape) for _, b in sequence] == [(64, 64)] * 6 + [(64, 8)]  # 3 + 3 layers, then the head
     weights = [id(b) for _, b in sequence[:6]]
     assert len(set(weights[:3])) == 3 and weights[3:] == weights[:3]  # 3 distinct weights, in turn
     assert len({id(a) for a, _ in sequence}) == 1  # one (5, 64) activation for every product
-    assert sampling_speed.streaming_matmul_floor(lambda: model(x), (), model, 2) > 0
+    assert sampling_speed.streaming_matmul_floor(shapes, model, 2) > 0
 
 
 def test_ppo_profile_splits_the_step_by_kind_of_operation():
