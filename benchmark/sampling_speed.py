@@ -70,6 +70,11 @@ def library_generate(lm, contexts: torch.Tensor, pad_id: int, length: int, tempe
     return output[:, contexts.shape[1] :]
 
 
+def digits(seconds_: float) -> float:
+    """A time with 4 significant digits: a tiny model's floors take a fraction of a millisecond."""
+    return float(f"{seconds_:.4g}")
+
+
 def seconds(function, arguments: tuple, repeats: int) -> float:
     function(*arguments)  # warm-up
     times = []
@@ -161,15 +166,15 @@ def main(args: Args) -> None:
             shapes = product_shapes(sample_responses, (lm, rows, pad_id, length, 0.7))
             floor, streaming = matmul_floor(shapes, args.repeats), streaming_matmul_floor(shapes, lm, args.repeats)
             row = dict(setting=setting, batch=len(rows), samples_per_context=samples, context=context_length,
-                       response=length, threads=torch.get_num_threads(), generate_s=round(library, 4),
-                       loop_s=round(loop, 4), loop_over_generate=round(loop / library, 3),
-                       matmul_floor_s=round(floor, 4), loop_over_floor=round(loop / floor, 3),
-                       generate_over_floor=round(library / floor, 3), streaming_floor_s=round(streaming, 4),
+                       response=length, threads=torch.get_num_threads(), generate_s=digits(library),
+                       loop_s=digits(loop), loop_over_generate=round(loop / library, 3),
+                       matmul_floor_s=digits(floor), loop_over_floor=round(loop / floor, 3),
+                       generate_over_floor=round(library / floor, 3), streaming_floor_s=digits(streaming),
                        loop_over_streaming_floor=round(loop / streaming, 3),
                        generate_over_streaming_floor=round(library / streaming, 3))  # fmt: skip
             if samples > 1:
                 shared = seconds(sample_responses, (lm, contexts, pad_id, length, 0.7, samples), args.repeats)
-                row.update(shared_context_s=round(shared, 4), shared_over_generate=round(shared / library, 3))
+                row.update(shared_context_s=digits(shared), shared_over_generate=round(shared / library, 3))
         print(json.dumps(row), flush=True)
 
 
