@@ -4,6 +4,7 @@ its helpers are tested here on fakes, the scripts' use of them by the end-to-end
 
 import ast
 import json
+import os
 import sys
 import types
 from types import SimpleNamespace
@@ -182,3 +183,29 @@ def test_trunk_parameters_count_what_a_token_multiplies_with():
     assert run_utils.trunk_parameters(lm.transformer) == 104192  # the reward model's backbone: no LM head at all
     # a forward over 10 tokens, the LM head (2·d·V) on 4 of them
     assert run_utils.forward_flops(lm, 10, 4) == 2 * 104192 * 10 + 2 * d * 1000 * 4
+
+
+def test_a_run_without_deepspeed_saves_its_model_without_importing_deepspeed(tmp_path):
+    """accelerate's unwrap_model, which transformers' save_pretrained calls, imports DeepSpeed when it is installed
+    (1.2 s of every start); check_launch of a run without a DeepSpeed engine answers that test, and a DeepSpeed run's
+    check still imports it (its engine is unwrapped by accelerate)."""
+    import importlib.util
+    import subprocess
+
+    assert importlib.util.find_spec("deepspeed") is not None  # requirements-dev.txt installs it: the case tested
+    code = """if True:
+        import sys, types
+        import run_utils
+        from transformers import GPT2Config, GPT2LMHeadModel
+        accelerator = types.SimpleNamespace(num_processes=1, state=types.SimpleNamespace(deepspeed_plugin=None))
+        if sys.argv[2] == "checked":
+            run_utils.check_launch(accelerator, None)
+        GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16)).save_pretrained(sys.argv[1])
+        print("deepspeed" in sys.modules)"""
+    environment = {key: value for key, value in os.environ.items() if key != "WORLD_SIZE"}
+    for case, imported in (("checked", "False"), ("unchecked", "True")):
+        result = subprocess.run([sys.executable, "-c", code, str(tmp_path / case), case], capture_output=True,
+                                text=True, cwd=REPO, env=environment, timeout=120)  # fmt: skip
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.split()[-1] == imported, (case, result.stdout)
+        assert (tmp_path / case / "model.safetensors").is_file()
