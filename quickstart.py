@@ -416,7 +416,7 @@ def prepare_output_dir(output_dir: Path, args: argparse.Namespace, inputs: dict[
 
 
 class Interrupted(Exception):
-    """Ctrl-C: the running script wrote its checkpoint and stopped."""
+    """Ctrl-C in a phase: its script wrote its checkpoint and stopped, or had not started yet."""
 
 
 def run_script(console, title: str, command: list[str], environment: dict[str, str]) -> None:
@@ -425,14 +425,18 @@ def run_script(console, title: str, command: list[str], environment: dict[str, s
     which a running script answers as it answers a Ctrl-C (finish the step, write a checkpoint, stop) and a script
     still importing its libraries or loading, before its handler exists, by ending at once without a traceback (a
     SIGINT there is a KeyboardInterrupt with a 40-line one); a second Ctrl-C, as SIGINT, stops it at once."""
-    console.print(f"$ python {shlex.join(command[1:])}", style="dim", markup=False, highlight=False, soft_wrap=True)
-    process = subprocess.Popen(command, env=environment, cwd=REPO, process_group=0)
-    interrupted = False
+    process, interrupted = None, False
     while True:
         try:
+            if process is None:  # a Ctrl-C right after the phase's banner, before the script started, is the phase's
+                console.print(f"$ python {shlex.join(command[1:])}", style="dim", markup=False, highlight=False,
+                              soft_wrap=True)  # fmt: skip
+                process = subprocess.Popen(command, env=environment, cwd=REPO, process_group=0)
             returncode = process.wait()
             break
         except KeyboardInterrupt:
+            if process is None:
+                raise Interrupted(title) from None
             process.send_signal(signal.SIGINT if interrupted else signal.SIGTERM)
             interrupted = True
     if interrupted or returncode == 128 + signal.SIGINT:

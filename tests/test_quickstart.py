@@ -298,6 +298,25 @@ def test_ctrl_c_keeps_the_work_and_the_same_command_continues(when, tiny_assets,
     assert not (output_dir / "policy" / "checkpoints").exists()  # the stop checkpoint goes once the run finished
 
 
+def test_ctrl_c_before_a_phases_script_started_is_that_phases_and_starts_nothing(monkeypatch):
+    """The moment between a phase's banner and its script's start (printing its command, starting the process): a
+    Ctrl-C there is reported as the phase's, like one a moment later, and no script is started."""
+
+    class Console:
+        def print(self, *args, **kwargs):
+            raise KeyboardInterrupt
+
+    def no_process(*args, **kwargs):
+        raise AssertionError("a script was started")
+
+    monkeypatch.setattr(quickstart.subprocess, "Popen", no_process)
+    try:
+        quickstart.run_script(Console(), "policy", [sys.executable, "train_policy_accelerate.py"], {})
+    except BaseException as stopped:  # a KeyboardInterrupt that got through must fail here, not stop pytest
+        stop = stopped
+    assert isinstance(stop, quickstart.Interrupted) and stop.args == ("policy",), repr(stop)
+
+
 def test_direct_rl_trains_against_the_gold_judge_without_a_reward_phase(tiny_assets, tmp_path):
     output_dir = tmp_path / "quickstart"
     command = [*tiny_quickstart(tiny_assets, output_dir), "--reward-function", "sentiment"]
