@@ -1,10 +1,13 @@
 """Shared pytest fixtures: offline assets prepared once per session and cached in the repository's `.cache/`."""
 
+import hashlib
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -75,6 +78,25 @@ def write_synthetic_labels(path: Path, tokenizer_dir: Path, n: int, seed: int = 
     return path
 
 
+def tiny_gpt2_from_cache(directory: Path, tokenizer_dir: Path, corpus: list[str], **recipe) -> Path:
+    """write_tiny_gpt2's model copied to `directory`: built once into `.cache/` for both workers and later sessions
+    (11 s), keyed by everything that makes its bytes, which are the same on every machine (benchmark/tiny_task.py)."""
+    key = hashlib.sha256()
+    for part in (REPO / "benchmark" / "tiny_task.py", tokenizer_dir / "tokenizer.json"):
+        key.update(part.read_bytes())
+    key.update(json.dumps([corpus, recipe]).encode())
+    cached = REPO / ".cache" / f"tiny-gpt2-{key.hexdigest()[:16]}"
+    if not cached.is_dir():
+        cached.parent.mkdir(exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cached.parent) as temporary:
+            write_tiny_gpt2(Path(temporary) / "model", tokenizer_dir, corpus, **recipe)
+            try:
+                (Path(temporary) / "model").rename(cached)
+            except OSError:  # the other worker's copy came first: the same bytes
+                pass
+    return Path(shutil.copytree(cached, directory))
+
+
 @pytest.fixture(scope="session")
 def tiny_assets(gpt2_tokenizer_dir, tmp_path_factory) -> dict[str, Path]:
     """Everything an offline end-to-end run needs: a tiny pretrained GPT-2, a query corpus and label files."""
@@ -88,7 +110,7 @@ def tiny_assets(gpt2_tokenizer_dir, tmp_path_factory) -> dict[str, Path]:
         # still learning at 300 steps of lr 3e-3: its last hidden states vary with the context by ~5% (trained to the
         # end, 150 steps of lr 1e-2, a model of random words has nearly constant ones, 0.2%, and a fresh reward head
         # on it scores every sample alike to bf16's 3 digits)
-        model=write_tiny_gpt2(root / "tiny-gpt2", gpt2_tokenizer_dir, corpus, steps=300, lr=3e-3),
+        model=tiny_gpt2_from_cache(root / "tiny-gpt2", gpt2_tokenizer_dir, corpus, steps=300, lr=3e-3),
         corpus=root / "corpus.txt",
         labels=labels,
         small_labels=root / "labels-128.json",
