@@ -244,7 +244,14 @@ def vocabulary_logits(lm: nn.Module, hidden: torch.Tensor, pad_id: int) -> torch
     # OAI policy.py step_core cuts the logits to the vocabulary, so its pad id (past it) is never sampled and has no
     # probability; ours is inside the head when the tokenizer has a pad token of its own or the head is larger than
     # the tokenizer: its logit is masked then (finite, so that entropies over the masked softmax stay numbers)
-    logits = lm.get_output_embeddings()(hidden).float()
+    head = lm.get_output_embeddings()  # (V, d)
+    # speed: the product as W (V, d) @ hidden^T, transposed back: on a CPU, MKL runs this orientation 1.5-1.7x faster
+    # than hidden @ W^T for 8 to 384 rows; it saves ~11% of a GPT-2 sampling loop, whose copy back is small (a row per
+    # sample); the same logits to rounding (docs/speed.md)
+    logits = (head.weight @ hidden.reshape(-1, hidden.shape[-1]).T).T.contiguous().view(*hidden.shape[:-1], -1)
+    if head.bias is not None:
+        logits = logits + head.bias
+    logits = logits.float()
     if pad_id < logits.shape[-1]:
         logits = logits.index_fill(-1, torch.tensor([pad_id], device=logits.device), NEVER_SAMPLED_LOGIT)
     return logits

@@ -202,6 +202,14 @@ def main(args: Args) -> None:
         lambda: gelu_gradient(lambda x: F.gelu(x, approximate="tanh"), activations, upstream),
         lambda a, b: torch.testing.assert_close(a[0], b[0], atol=1e-5, rtol=1e-5),
     )
+    step_hidden = torch.randn(B, lm.config.n_embd, device=device)  # one sampling step: a row per sample
+    with torch.no_grad():
+        row(
+            f"LM head of a sampling step ({B} rows): the product as W @ hidden^T, transposed back, not hidden @ W^T",
+            lambda: lm.get_output_embeddings()(step_hidden).float(),
+            lambda: P.vocabulary_logits(lm, step_hidden, pad),
+            lambda a, b: torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5),
+        )
     loop_weights, fused_weights = ([torch.nn.Parameter(p.detach().clone()) for p in lm.parameters()] for _ in "ab")
     for loop_weight, fused_weight in zip(loop_weights, fused_weights, strict=True):
         loop_weight.grad = fused_weight.grad = torch.randn_like(loop_weight)

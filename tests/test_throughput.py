@@ -39,8 +39,8 @@ def test_optimizations_benchmark_checks_each_pair_and_prints_the_table():
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 9 and all(row["before_s"] > 0 and row["after_s"] > 0 for row in rows)
-    assert result.stdout.count("× |") == 9  # the markdown table
+    assert len(rows) == 10 and all(row["before_s"] > 0 and row["after_s"] > 0 for row in rows)
+    assert result.stdout.count("× |") == 10  # the markdown table
 
 
 def test_sampling_speed_compares_the_loop_with_generate():
