@@ -7,13 +7,13 @@ import random
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
+import run_utils
 from benchmark.tiny_task import synthetic_sentences, write_tiny_gpt2
 from quickstart_assets import prepare_gpt2_tokenizer
 
@@ -86,14 +86,8 @@ def tiny_gpt2_from_cache(directory: Path, tokenizer_dir: Path, corpus: list[str]
         key.update(part.read_bytes())
     key.update(json.dumps([corpus, recipe]).encode())
     cached = REPO / ".cache" / f"tiny-gpt2-{key.hexdigest()[:16]}"
-    if not cached.is_dir():
-        cached.parent.mkdir(exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cached.parent) as temporary:
-            write_tiny_gpt2(Path(temporary) / "model", tokenizer_dir, corpus, **recipe)
-            try:
-                (Path(temporary) / "model").rename(cached)
-            except OSError:  # the other worker's copy came first: the same bytes
-                pass
+    if not cached.is_dir():  # written whole or not at all, as the tokenizer beside it
+        run_utils.save_directory_atomic(cached, lambda build: write_tiny_gpt2(build, tokenizer_dir, corpus, **recipe))
     return Path(shutil.copytree(cached, directory))
 
 

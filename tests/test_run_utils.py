@@ -187,8 +187,8 @@ def test_trunk_parameters_count_what_a_token_multiplies_with():
 
 def test_a_run_without_deepspeed_saves_its_model_without_importing_deepspeed(tmp_path):
     """accelerate's unwrap_model, which transformers' save_pretrained calls, imports DeepSpeed when it is installed
-    (1.2 s of every start); check_launch of a run without a DeepSpeed engine answers that test, and a DeepSpeed run's
-    check still imports it (its engine is unwrapped by accelerate)."""
+    (1.2 s of every start); check_launch of a run without a DeepSpeed engine answers that test: saving then imports
+    nothing, and without the check it does (tests/test_deepspeed.py runs the DeepSpeed engine's own unwrapping)."""
     import importlib.util
     import subprocess
 
