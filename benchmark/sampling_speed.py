@@ -1,17 +1,19 @@
 """The scripts' sampling loop (`sample_responses`: KV cache, logits / T, one inverse-CDF draw per step) side by side
 with Hugging Face generate() set up to sample the same distribution (what the scripts used before; it draws with
-torch.multinomial): seconds per call, median of --repeats after a warm-up, on models with random weights (no
-download; the token count is fixed, so weights don't change the work). For label sampling (4 samples per query) also
-the loop with each context's forward shared by its samples, as the reward script samples labels. One JSON line per
-setting; tests/test_policy_units.py checks what the loop draws. Against two floors: the loop's matrix products timed
-alone, each shape on one weight that stays in the CPU's cache (`matmul_floor`), and in the loop's order on as many
-distinct weights as the model has, which a sampling step streams from memory (`streaming_matmul_floor`).
+torch.multinomial), on models with random weights (no download; the token count is fixed, so weights don't change the
+work). For label sampling (4 samples per query) also the loop with each context's forward shared by its samples, as
+the reward script samples labels. One JSON line per setting; tests/test_policy_units.py checks what the loop draws.
+Against two floors: the loop's matrix products timed alone, each shape on one weight that stays in the CPU's cache
+(`matmul_floor`), and in the loop's order on as many distinct weights as the model has, which a sampling step streams
+from memory (`streaming_replay`). Seconds per call: the median of --repeats rounds in which generate(), the loop(s)
+and the streaming replay each run once, in turn (after a warm-up call of each).
 
     python benchmark/sampling_speed.py                      # GPT-2 124M batch 8, and the quick start's SmolLM2 settings
     python benchmark/sampling_speed.py --settings gpt2      # one of them
 """
 
 import collections
+import functools
 import json
 import math
 import statistics
@@ -43,7 +45,7 @@ class Args:
     settings: tuple[Literal["tiny", "gpt2", "smollm2-rollout", "smollm2-labels"], ...] = tuple(SETTINGS)[1:]
     """which settings to measure"""
     repeats: int = 5
-    """timed calls of each method (after one warm-up call)"""
+    """rounds, each timing every method once, in turn (after one warm-up call of each)"""
     threads: int = 0
     """torch threads (0: torch's default)"""
 
@@ -75,14 +77,20 @@ def digits(seconds_: float) -> float:
     return float(f"{seconds_:.4g}")
 
 
-def seconds(function, arguments: tuple, repeats: int) -> float:
-    function(*arguments)  # warm-up
-    times = []
+def seconds_in_turns(calls: dict, repeats: int) -> dict:
+    """Median seconds of each of `calls` (name: a function of no arguments): a warm-up call of each, then `repeats`
+    rounds in which each runs once, in turn. In turns, so that a slower stretch of the machine (its host's other
+    guests, its clock) falls on every method alike: timed one method after the other, with the floor's best replay
+    against the loop's median call, one loop read 1.32x and 1.57x its streaming floor within one session."""
+    for call in calls.values():
+        call()
+    times = {name: [] for name in calls}
     for _ in range(repeats):
-        start = time.perf_counter()
-        function(*arguments)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 PRODUCTS = {"aten::mm": slice(0, 2), "aten::addmm": slice(1, 3), "aten::bmm": slice(0, 2)}  # where the operands are
@@ -135,19 +143,18 @@ def product_sequence(shapes: list[tuple[tuple, tuple]], model: torch.nn.Module) 
     return sequence
 
 
-def streaming_matmul_floor(shapes: list[tuple[tuple, tuple]], model: torch.nn.Module, repeats: int) -> float:
-    """Seconds the products take in the call's order with as many distinct weights as the model has of each size,
-    the best of `repeats` replays. matmul_floor times each shape on one weight, 10 times over, so that weight stays in
-    the CPU's cache; a sampling step reads every weight of the model once (GPT-2 124M: ~500 MB, far more than any
-    cache), so its products wait on memory too: this floor counts that trip."""
+def streaming_replay(shapes: list[tuple[tuple, tuple]], model: torch.nn.Module):
+    """A function that runs the products of `shapes` once, in the call's order, with as many distinct weights as the
+    model has of each size: the streaming floor is its time. matmul_floor times each shape on one weight, 10 times
+    over, so that weight stays in the CPU's cache; a sampling step reads every weight of the model once (GPT-2 124M:
+    ~500 MB, far more than any cache), so its products wait on memory too: this floor counts that trip."""
     sequence = product_sequence(shapes, model)
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first replay is a warm-up
-        start = time.perf_counter()
+
+    def replay() -> None:
         for a, b in sequence:
             a @ b
-        best = min(best, time.perf_counter() - start)
-    return best
+
+    return replay
 
 
 def main(args: Args) -> None:
@@ -161,10 +168,17 @@ def main(args: Args) -> None:
         contexts[: num_contexts // 2, : context_length // 4] = pad_id  # left padding on half the rows
         rows = contexts.repeat_interleave(samples, 0)  # what generate() and the plain loop get
         with torch.no_grad():
-            library = seconds(library_generate, (lm, rows, pad_id, length, 0.7), args.repeats)
-            loop = seconds(sample_responses, (lm, rows, pad_id, length, 0.7), args.repeats)
             shapes = product_shapes(sample_responses, (lm, rows, pad_id, length, 0.7))
-            floor, streaming = matmul_floor(shapes, args.repeats), streaming_matmul_floor(shapes, lm, args.repeats)
+            calls = {
+                "generate": functools.partial(library_generate, lm, rows, pad_id, length, 0.7),
+                "loop": functools.partial(sample_responses, lm, rows, pad_id, length, 0.7),
+                "streaming_floor": streaming_replay(shapes, lm),
+            }
+            if samples > 1:
+                calls["shared"] = functools.partial(sample_responses, lm, contexts, pad_id, length, 0.7, samples)
+            median = seconds_in_turns(calls, args.repeats)
+            library, loop, streaming = median["generate"], median["loop"], median["streaming_floor"]
+            floor = matmul_floor(shapes, args.repeats)
             row = dict(setting=setting, batch=len(rows), samples_per_context=samples, context=context_length,
                        response=length, threads=torch.get_num_threads(), generate_s=digits(library),
                        loop_s=digits(loop), loop_over_generate=round(loop / library, 3),
@@ -173,7 +187,7 @@ def main(args: Args) -> None:
                        loop_over_streaming_floor=round(loop / streaming, 3),
                        generate_over_streaming_floor=round(library / streaming, 3))  # fmt: skip
             if samples > 1:
-                shared = seconds(sample_responses, (lm, contexts, pad_id, length, 0.7, samples), args.repeats)
+                shared = median["shared"]
                 row.update(shared_context_s=digits(shared), shared_over_generate=round(shared / library, 3))
         print(json.dumps(row), flush=True)
 

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -80,7 +81,21 @@ def test_streaming_floor_replays_the_products_on_as_many_weights_as_the_model_ha
     weights = [id(b) for _, b in sequence[:6]]
     assert len(set(weights[:3])) == 3 and weights[3:] == weights[:3]  # 3 distinct weights, in turn
     assert len({id(a) for a, _ in sequence}) == 1  # one (5, 64) activation for every product
-    assert sampling_speed.streaming_matmul_floor(shapes, model, 2) > 0
+    replay = sampling_speed.streaming_replay(shapes, model)
+    assert sampling_speed.product_shapes(replay, ()) == shapes  # one replay: the call's products once, in its order
+
+
+def test_sampling_speed_times_the_methods_in_turns():
+    """sampling_speed.seconds_in_turns: a warm-up call of each method, then rounds in which each runs once, in turn
+    (so that a slow stretch of the machine falls on all alike); the median of each method's rounds."""
+    sys.path.insert(0, str(REPO / "benchmark"))
+    import sampling_speed
+
+    calls = []
+    sampling_speed.seconds_in_turns({name: (lambda name=name: calls.append(name)) for name in "xyz"}, 2)
+    assert calls == list("xyz") * 3  # in turns: x y z (the warm-ups), then x y z twice
+    medians = sampling_speed.seconds_in_turns({"fast": lambda: None, "slow": lambda: time.sleep(0.02)}, 3)
+    assert list(medians) == ["fast", "slow"] and medians["fast"] < 0.02 <= medians["slow"] < 1
 
 
 def test_ppo_profile_splits_the_step_by_kind_of_operation():
