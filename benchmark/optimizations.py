@@ -1,7 +1,8 @@
 """Before/after timings of the scripts' speed details, one at a time, on the current device.
 
 Each row times the scripts' own function ("after") against the straightforward way it is often written ("before":
-written out below, same inputs, same result — each pair is checked for equality before it is timed):
+written out below, same inputs, same result — each pair is checked for equality before it is timed, then the two
+timed in turns):
 
     python benchmark/optimizations.py --model gpt2 --batch-size 8 --query-length 64 --response-length 24
 
@@ -12,9 +13,7 @@ measured with benchmark/throughput.py --extra="--compile", which runs the real l
 import json
 import math
 import os
-import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmark"))
 
+from sampling_speed import seconds_in_turns  # noqa: E402
 from throughput import SIZES  # noqa: E402
 
 import train_policy_accelerate as P  # noqa: E402
@@ -42,25 +42,11 @@ class Args:
     query_length: int = 64
     response_length: int = 24
     repeats: int = 3
-    """timed repetitions after one warm-up; the median is reported"""
+    """rounds timing before and after once each, in turn, after a warm-up of each; the medians are reported"""
     padding_rows: int = 512
     """rows for the padding / truncation timings (OAI's rollout batch)"""
     metrics: int = 25
     """scalars reduced per update (the policy script logs about this many)"""
-
-
-def timed(function, repeats: int) -> float:
-    function()  # warm-up
-    durations = []
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        function()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        durations.append(time.perf_counter() - start)
-    return statistics.median(durations)
 
 
 # ---- "before": the straightforward versions ----------------------------------------------------------------------
@@ -125,7 +111,8 @@ def reduce_worker(rank: int, world: int, port: int, n: int, repeats: int, result
     def one_for_all():
         dist.all_reduce(torch.stack(values))
 
-    timings = (timed(one_per_metric, repeats), timed(one_for_all, repeats))
+    medians = seconds_in_turns({"one per metric": one_per_metric, "one for all": one_for_all}, repeats)
+    timings = tuple(medians.values())
     if rank == 0:
         results.extend(timings)
     dist.destroy_process_group()
@@ -152,7 +139,7 @@ def main(args: Args) -> None:
         if check is not None:
             with torch.no_grad():
                 check(before(), after())
-        before_s, after_s = timed(before, args.repeats), timed(after, args.repeats)
+        before_s, after_s = seconds_in_turns({"before": before, "after": after}, args.repeats).values()
         rows.append(dict(detail=name, before_s=before_s, after_s=after_s, speedup=before_s / after_s))
         print(json.dumps(rows[-1]), flush=True)
 

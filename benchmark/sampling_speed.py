@@ -79,16 +79,21 @@ def digits(seconds_: float) -> float:
 
 def seconds_in_turns(calls: dict, repeats: int) -> dict:
     """Median seconds of each of `calls` (name: a function of no arguments): a warm-up call of each, then `repeats`
-    rounds in which each runs once, in turn. In turns, so that a slower stretch of the machine (its host's other
-    guests, its clock) falls on every method alike: timed one method after the other, with the floor's best replay
-    against the loop's median call, one loop read 1.32x and 1.57x its streaming floor within one session."""
+    rounds in which each runs once, in turn (a GPU synchronized around each). In turns, so that a slower stretch of
+    the machine (its host's other guests, its clock) falls on every method alike: timed one method after the other,
+    with the floor's best replay against the loop's median call, one loop read 1.32x and 1.57x its streaming floor
+    within one session. benchmark/optimizations.py times each detail's before and after with it too."""
     for call in calls.values():
         call()
     times = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             start = time.perf_counter()
             call()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
 

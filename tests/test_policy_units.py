@@ -745,3 +745,18 @@ def test_held_out_queries_keep_every_text_read_for_them_out_of_training(gpt2_tok
     usable = {line for line in lines if line.endswith(".")} - held_out
     seen = set(P.decode(tokenizer, training.next_batch(3 * len(usable))))  # three epochs of the training stream
     assert seen == usable
+
+
+def test_vocabulary_logits_are_the_heads_on_either_product_orientation():
+    """vocabulary_logits: on a CPU the product as W @ hidden^T copied back to rows, elsewhere hidden @ W^T (the meta
+    device stands in for a GPU: shapes and dtype only): the head's own logits in fp32 for a sampling step's (B, d) and
+    the log-probs' (B, T, d), bias included, the pad id's logit masked."""
+    head = nn.Linear(16, 40)
+    lm = types.SimpleNamespace(get_output_embeddings=lambda: head)
+    for hidden in (torch.randn(3, 16), torch.randn(2, 5, 16)):
+        logits = P.vocabulary_logits(lm, hidden, pad_id=7)
+        expected = head(hidden).index_fill(-1, torch.tensor([7]), P.NEVER_SAMPLED_LOGIT)
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+        assert logits.dtype == torch.float32 and logits.is_contiguous()
+    head.to("meta")
+    assert P.vocabulary_logits(lm, torch.randn(2, 5, 16, device="meta"), pad_id=50).shape == (2, 5, 40)
