@@ -19,11 +19,16 @@ Stages (each writes OUT/STAGE/, and the comparison as OUT/STAGE/comparison.json)
   update1   PPO update 1 on the same rollout: every stat OpenAI logs; 1 minibatch and 2 (with OpenAI's numpy
             permutations), 1 rank and 2 (mpiexec -n 2 against 2 torchrun processes)
   teacher   --teacher-updates updates, each update's rollout (OpenAI's samples) given to both sides
+  scenarios the paths the base task leaves untaken (SCENARIOS, REWARD_SCENARIOS): a warm start, padded queries with a
+            prefix and a suffix, gamma and lambda, 4 minibatches, a binding value clip, the controller in its range,
+            no truncation, no reward whitening, a fixed KL coefficient; the reward model on padded queries
   curves    free-running learning curves, --seeds seeds a side, and seconds per update
   report    OUT/side_by_side.md (tables) and OUT/side_by_side.png (curves), from what the stages wrote
 Without --openai-src the OpenAI stages are skipped with one line (the report reads what earlier runs wrote).
 """
 
+import gzip
+import hashlib
 import json
 import os
 import shlex
@@ -46,20 +51,51 @@ OPENAI_PACKAGES = ["tensorflow-cpu==2.21.0", "typeguard==2.13.3", "regex==2026.1
 tf.compat.v1. Never `lm-human-preferences`: on PyPI that name is a dependency-confusion dummy."""
 MPI_PACKAGES = ["mpi4py==4.1.2", "mpich==5.0.2"]
 """OpenAI's real multi-rank path (mpiexec -n 2) from PyPI wheels alone."""
-STAGES = ("assets", "reward", "update1", "teacher", "curves", "report")
+STAGES = ("assets", "reward", "update1", "teacher", "scenarios", "curves", "report")
+
+OPENAI_PAD_ID = 50259  # OpenAI's pad id for GPT-2's encoding (language/encodings.py: len(encoder) + 2)
+PERIOD = 13  # GPT-2's '.': the truncate token, and the start and end text of the scenarios that cut queries
 
 # the tiny task: one place for both sides' settings
 TASK = dict(query_length=8, response_length=12, truncate_after=6, temperature=0.7)
 CORPUS = dict(lines=600, seed=1)
-BASE_MODEL = dict(steps=600, lr=1e-3, seed=0)
+BASE_MODEL = dict(steps=600, lr=1e-3, seed=0, saved_dropout=0.1)
 """benchmark/tiny_task.py's recipe: lr 1e-3 for 600 steps leaves the last hidden states varying across inputs (the
 tests' lr 1e-2 for 150 steps grows an input-independent residual of norm ~170 in block 0, which squeezes a fresh
-reward head's outputs into a std of 0.004 around -1.4: float32's E[r^2] - mean^2 then loses 1% of the variance)."""
+reward head's outputs into a std of 0.004 around -1.4: float32's E[r^2] - mean^2 then loses 1% of the variance). Its
+config says dropout 0.1, as GPT-2's does: OpenAI trains without dropout, and so must this project's scripts."""
 LABELS = dict(num_train=2048, num_test=256, seed=1)
 REWARD = dict(batch_size=32, lr=3e-3, rollout_batch_size=64, normalize_samples=64)
 POLICY = dict(batch_size=32, lr=1e-4, noptepochs=4, kl_coef=0.15, kl_target=1.0, kl_horizon=640)
 """PPO on the tiny task: its KL crosses the target within 40 updates, so the controller moves both ways (at most
 0.2 * 32 / 640 = 1% an update)."""
+QUERY_TEXTS = dict(query_prefix="", query_suffix="", start_text="", end_text="")
+PPO_DEFAULTS = dict(gamma=1.0, lam=0.95, cliprange_value=0.2, whiten_rewards=True, adaptive_kl=True)
+"""OpenAI's own values of the settings the base scenario leaves alone (train_policy.py PpoHParams)."""
+SCENARIOS = {
+    "details": dict(
+        task=dict(query_prefix="The sun", query_suffix=" the bird", start_text=".", end_text="."),
+        policy=dict(nminibatches=4, noptepochs=2, gamma=0.9, lam=0.8, cliprange_value=0.05, lr=3e-4, kl_target=0.9),
+        warm_start=dict(scale=0.02, value_scale=0.2, seed=3),
+        updates=6,
+    ),
+    "plain": dict(
+        task=dict(truncate=False),
+        policy=dict(whiten_rewards=False, adaptive_kl=False, kl_coef=0.05),
+        updates=3,
+    ),
+}
+"""Policy scenarios beyond the base one, each compared from update 1 on OpenAI's own rollouts (teacher-forced), so
+that every path both scripts implement changes some compared number. `details`: the policy starts away from the
+reference (a warm start: KL and values are not 0 at update 1), queries cut at a start and an end text, so padded, with
+a prefix and a suffix around them, 4 minibatches and 2 epochs, gamma and lambda not 1 and 0.95, a value clip that
+binds, the KL controller inside its clip range and at its top. `plain`: no truncation and no penalty, no reward
+whitening, a fixed KL coefficient (OpenAI's summarization settings)."""
+REWARD_SCENARIOS = {
+    "padded": dict(task=dict(start_text=".", end_text="."), labels=dict(num_train=512, num_test=64, seed=2)),
+}
+"""Reward-model scenarios beyond the base one: `padded`, queries cut at a start and an end text (so padded) in the
+labels and in the normalizations' samples."""
 
 
 @dataclass
@@ -70,7 +106,7 @@ class Args:
     """where every stage writes"""
     openai_venv: str = ".cache/openai-tf-venv"
     """the venv OpenAI's code runs in, built here from PyPI the first time (~1.7 GB)"""
-    stages: tuple[Literal["assets", "reward", "update1", "teacher", "curves", "report"], ...] = STAGES
+    stages: tuple[Literal["assets", "reward", "update1", "teacher", "scenarios", "curves", "report"], ...] = STAGES
     """stages to run, in this order (each reads what the earlier ones wrote)"""
     mpi: bool = True
     """also compare 2 ranks (installs mpi4py + mpich wheels into the venv); --no-mpi: one rank only"""
@@ -81,7 +117,8 @@ class Args:
     updates: int = 40
     """free-running updates per seed (of POLICY's batch)"""
     write_reference: bool = False
-    """copy OpenAI's outputs and the inputs they came from into benchmark/openai_reference/ (the CI test's data)"""
+    """copy OpenAI's outputs of the stages run and the inputs they came from into benchmark/openai_reference/ (the CI
+    test's data)"""
     report_only: bool = False
     """only the report stage"""
 
@@ -158,12 +195,14 @@ def run_logged(command: list[str], log: Path, environment: dict) -> float:
     return time.time() - start
 
 
-def run_ours(script: str, flags: list[str], out: Path, processes: int = 1, replay: Optional[Path] = None) -> float:
-    """One of this project's scripts (through benchmark/replay.py when given samples), replacing an earlier run in
-    its --output-dir; returns the wall seconds."""
+def run_ours(script: str, flags: list[str], out: Path, processes: int = 1, replay: Optional[Path] = None,
+             policy_init: Optional[Path] = None) -> float:  # fmt: skip
+    """One of this project's scripts (through benchmark/replay.py when given samples, and a warm start's policy),
+    replacing an earlier run in its --output-dir; returns the wall seconds."""
     out.mkdir(parents=True, exist_ok=True)
     flags = [*flags, "--overwrite"]
-    target = [str(REPO / "benchmark" / "replay.py"), script, str(replay)] if replay else [str(REPO / f"{script}")]
+    warm = ["--policy-init", str(policy_init)] if policy_init else []
+    target = [str(REPO / "benchmark" / "replay.py"), *warm, script, str(replay)] if replay else [str(REPO / script)]
     if processes == 1:
         command = [sys.executable, *target, *flags]
     else:
@@ -192,51 +231,83 @@ def read_jsonl(path: Path) -> list[dict]:
 # the task's settings on both sides
 
 
-def our_task_flags(assets: Path) -> list[str]:
+def task_settings(scenario: Optional[dict] = None) -> dict:
+    """The task of the base scenario (TASK, no query texts around the query, truncation on) or of a scenario."""
+    return {**TASK, **QUERY_TEXTS, "truncate": True, **(scenario or {}).get("task", {})}
+
+
+def our_task_flags(assets: Path, scenario: Optional[dict] = None) -> list[str]:
+    task = task_settings(scenario)
     return ["--base-model", str(assets / "base"), "--task.query-dataset", str(assets / "corpus.txt"),
-            "--task.query-length", str(TASK["query_length"]), "--task.response-length", str(TASK["response_length"]),
-            "--task.truncate-after", str(TASK["truncate_after"]), "--task.temperature", str(TASK["temperature"]),
-            "--task.start-text", "", "--task.end-text", "", "--task.passage-rows", "1"]  # fmt: skip
+            "--task.query-length", str(task["query_length"]), "--task.response-length", str(task["response_length"]),
+            "--task.truncate-after", str(task["truncate_after"]), "--task.temperature", str(task["temperature"]),
+            "--task.query-prefix", task["query_prefix"], "--task.query-suffix", task["query_suffix"],
+            "--task.start-text", task["start_text"], "--task.end-text", task["end_text"], "--task.passage-rows", "1",
+            *([] if task["truncate"] else ["--task.no-rejection-sampling"])]  # fmt: skip
 
 
-def openai_task_hparams(assets: Path) -> dict:
-    return {"task.query_length": TASK["query_length"], "task.query_dataset": "side_by_side",
-            "task.response_length": TASK["response_length"], "task.start_text": None, "task.end_text": None,
-            "task.truncate_token": 13, "task.truncate_after": TASK["truncate_after"], "task.penalty_reward_value": -1,
-            "task.policy.temperature": TASK["temperature"],
+def openai_task_hparams(assets: Path, scenario: Optional[dict] = None) -> dict:
+    task = task_settings(scenario)
+    return {"task.query_length": task["query_length"], "task.query_dataset": "side_by_side",
+            "task.response_length": task["response_length"], "task.query_prefix": task["query_prefix"],
+            "task.query_suffix": task["query_suffix"], "task.start_text": task["start_text"] or None,
+            "task.end_text": task["end_text"] or None, "task.truncate_token": PERIOD if task["truncate"] else None,
+            "task.truncate_after": task["truncate_after"], "task.penalty_reward_value": -1,
+            "task.policy.temperature": task["temperature"],
             "task.policy.initial_model": str(assets / "openai_initial_model")}  # fmt: skip
 
 
-def our_reward_flags(assets: Path, seed: int = 1) -> list[str]:
-    return [*our_task_flags(assets), "--label-dataset", str(assets / "labels.json"),
-            "--labels.num-train", str(LABELS["num_train"]), "--batch-size", str(REWARD["batch_size"]),
+def labels_of(scenario: Optional[dict] = None) -> dict:
+    return {**LABELS, **(scenario or {}).get("labels", {})}
+
+
+def our_reward_flags(assets: Path, seed: int = 1, scenario: Optional[dict] = None, labels: str = "labels.json"):
+    return [*our_task_flags(assets, scenario), "--label-dataset", str(assets / labels),
+            "--labels.num-train", str(labels_of(scenario)["num_train"]), "--batch-size", str(REWARD["batch_size"]),
             "--lr", str(REWARD["lr"]), "--rollout-batch-size", str(REWARD["rollout_batch_size"]),
             "--normalize-samples", str(REWARD["normalize_samples"]), "--print-sample-output-freq", "1000000",
             "--seed", str(seed)]  # fmt: skip
 
 
-def openai_reward_hparams(assets: Path, seed: int = 1) -> dict:
-    return {**openai_task_hparams(assets), "labels.type": "best_of_4", "labels.num_train": LABELS["num_train"],
-            "labels.source": str(assets / "labels.json"), "batch_size": REWARD["batch_size"], "lr": REWARD["lr"],
-            "rollout_batch_size": REWARD["rollout_batch_size"], "normalize_before": True, "normalize_after": True,
-            "normalize_samples": REWARD["normalize_samples"], "run.seed": seed, "run.log_interval": 10**9}  # fmt: skip
+def openai_reward_hparams(assets: Path, seed: int = 1, scenario: Optional[dict] = None,
+                          labels: str = "labels.json") -> dict:  # fmt: skip
+    return {**openai_task_hparams(assets, scenario), "labels.type": "best_of_4",
+            "labels.num_train": labels_of(scenario)["num_train"], "labels.source": str(assets / labels),
+            "batch_size": REWARD["batch_size"], "lr": REWARD["lr"], "rollout_batch_size": REWARD["rollout_batch_size"],
+            "normalize_before": True, "normalize_after": True, "normalize_samples": REWARD["normalize_samples"],
+            "run.seed": seed, "run.log_interval": 10**9}  # fmt: skip
 
 
-def our_policy_flags(assets: Path, updates: int, seed: int = 1, nminibatches: int = 1, ranks: int = 1) -> list[str]:
-    return [*our_task_flags(assets), "--rewards.trained-model", str(assets / "reward_model"),
-            "--rewards.kl-coef", str(POLICY["kl_coef"]), "--rewards.adaptive-kl.target", str(POLICY["kl_target"]),
-            "--rewards.adaptive-kl.horizon", str(POLICY["kl_horizon"]), "--ppo.batch-size", str(POLICY["batch_size"]),
-            "--ppo.total-episodes", str(POLICY["batch_size"] * updates), "--ppo.lr", str(POLICY["lr"]),
-            "--ppo.noptepochs", str(POLICY["noptepochs"]), "--ppo.nminibatches", str(nminibatches),
+def policy_settings(scenario: Optional[dict] = None, nminibatches: int = 1) -> dict:
+    """PPO's settings of the base scenario (POLICY, OpenAI's defaults for the rest) or of a scenario."""
+    return {**POLICY, **PPO_DEFAULTS, "nminibatches": nminibatches, **(scenario or {}).get("policy", {})}
+
+
+def our_policy_flags(assets: Path, updates: int, seed: int = 1, nminibatches: int = 1, ranks: int = 1,
+                     scenario: Optional[dict] = None) -> list[str]:  # fmt: skip
+    ppo = policy_settings(scenario, nminibatches)
+    return [*our_task_flags(assets, scenario), "--rewards.trained-model", str(assets / "reward_model"),
+            "--rewards.kl-coef", str(ppo["kl_coef"]), "--rewards.adaptive-kl.target", str(ppo["kl_target"]),
+            "--rewards.adaptive-kl.horizon", str(ppo["kl_horizon"]), "--ppo.batch-size", str(ppo["batch_size"]),
+            "--ppo.total-episodes", str(ppo["batch_size"] * updates), "--ppo.lr", str(ppo["lr"]),
+            "--ppo.noptepochs", str(ppo["noptepochs"]), "--ppo.nminibatches", str(ppo["nminibatches"]),
+            "--ppo.gamma", str(ppo["gamma"]), "--ppo.lam", str(ppo["lam"]),
+            "--ppo.cliprange-value", str(ppo["cliprange_value"]),
+            *([] if ppo["whiten_rewards"] else ["--ppo.no-whiten-rewards"]),
+            *([] if ppo["adaptive_kl"] else ["--rewards.no-use-adaptive-kl"]),
             "--ppo.whitening-ranks", str(ranks), "--print-sample-output-freq", "1000000", "--seed", str(seed)]  # fmt: skip
 
 
-def openai_policy_hparams(assets: Path, updates: int, seed: int = 1, nminibatches: int = 1) -> dict:
-    return {**openai_task_hparams(assets), "rewards.trained_model": str(assets / "openai_reward_model"),
-            "rewards.kl_coef": POLICY["kl_coef"], "rewards.adaptive_kl": "on",
-            "rewards.adaptive_kl.target": POLICY["kl_target"], "rewards.adaptive_kl.horizon": POLICY["kl_horizon"],
-            "ppo.batch_size": POLICY["batch_size"], "ppo.total_episodes": POLICY["batch_size"] * updates,
-            "ppo.lr": POLICY["lr"], "ppo.noptepochs": POLICY["noptepochs"], "ppo.nminibatches": nminibatches,
+def openai_policy_hparams(assets: Path, updates: int, seed: int = 1, nminibatches: int = 1,
+                          scenario: Optional[dict] = None) -> dict:  # fmt: skip
+    ppo = policy_settings(scenario, nminibatches)
+    adaptive = {"rewards.adaptive_kl": "on", "rewards.adaptive_kl.target": ppo["kl_target"],
+                "rewards.adaptive_kl.horizon": ppo["kl_horizon"]} if ppo["adaptive_kl"] else {}  # fmt: skip
+    return {**openai_task_hparams(assets, scenario), "rewards.trained_model": str(assets / "openai_reward_model"),
+            "rewards.kl_coef": ppo["kl_coef"], **adaptive, "ppo.batch_size": ppo["batch_size"],
+            "ppo.total_episodes": ppo["batch_size"] * updates, "ppo.lr": ppo["lr"], "ppo.noptepochs": ppo["noptepochs"],
+            "ppo.nminibatches": ppo["nminibatches"], "ppo.gamma": ppo["gamma"], "ppo.lam": ppo["lam"],
+            "ppo.cliprange_value": ppo["cliprange_value"], "ppo.whiten_rewards": ppo["whiten_rewards"],
             "run.seed": seed, "run.log_interval": 10**9}  # fmt: skip
 
 
@@ -431,18 +502,22 @@ def replay_with_orders(given: Path, openai_out: Path, ranks: int, destination: P
     return destination
 
 
-def run_policy_pair(openai: OpenAI, stage: Path, given: Path, updates: int, ranks: int, nminibatches: int) -> dict:
-    """OpenAI's train_policy and this project's on the given rollouts; returns the comparison."""
-    assets = stage.parents[1] / "assets"
-    hparams = openai_policy_hparams(assets, updates, nminibatches=nminibatches)
-    seconds = openai.run("policy", {"hparams": hparams, "out": str(stage / "openai"), "inject": str(given)}, ranks)
+def run_policy_pair(openai: OpenAI, stage: Path, given: Path, updates: int, ranks: int, nminibatches: int,
+                    scenario: Optional[dict] = None, name: str = "") -> dict:  # fmt: skip
+    """OpenAI's train_policy and this project's on the given rollouts (of the base scenario, or of scenario `name`);
+    returns the comparison."""
+    assets = stage.parents[1 if scenario is None else 2] / "assets"
+    hparams = openai_policy_hparams(assets, updates, nminibatches=nminibatches, scenario=scenario)
+    config = {"hparams": hparams, "out": str(stage / "openai"), "inject": str(given), **warm_config(assets, name)}
+    seconds = openai.run("policy", config, ranks)
     replay = replay_with_orders(given, stage / "openai", ranks, stage / "replay.npz")
     flags = [
-        *our_policy_flags(assets, updates, nminibatches=nminibatches, ranks=ranks),
+        *our_policy_flags(assets, updates, nminibatches=nminibatches, ranks=ranks, scenario=scenario),
         "--output-dir",
         str(stage / "ours"),
     ]
-    our_seconds = run_ours("train_policy_accelerate.py", flags, stage / "ours", ranks, replay=replay)
+    warm = assets / f"warm_policy_{name}" if (scenario or {}).get("warm_start") else None
+    our_seconds = run_ours("train_policy_accelerate.py", flags, stage / "ours", ranks, replay=replay, policy_init=warm)
     comparison = {**compare_policy(stage), "seconds": dict(openai=seconds, ours=our_seconds)}
     (stage / "comparison.json").write_text(json.dumps(comparison, indent=1))
     return comparison
@@ -504,6 +579,73 @@ def stage_teacher(out: Path, openai: OpenAI, updates: int) -> None:
     comparison = run_policy_pair(openai, out / "teacher" / "forced", given, updates, 1, 1)
     largest = ", ".join(f"{x:.1e}" for x in comparison["largest_per_update"])
     print(f"teacher-forced, largest relative difference per update: {largest}")
+
+
+def warm_config(assets: Path, name: str) -> dict:
+    """run_openai.py's setting for scenario `name`'s warm start: the checkpoint its trained policy starts from."""
+    scenario = SCENARIOS.get(name, {})
+    return {"policy_init": str(assets / f"openai_warm_policy_{name}")} if scenario.get("warm_start") else {}
+
+
+def write_warm_policy(assets: Path, name: str, openai: Optional["OpenAI"] = None) -> Path:
+    """Scenario `name`'s warm start (benchmark/tiny_task.py write_warm_policy) in this project's layout and, given
+    OpenAI's side, as OpenAI's checkpoint (trunk and value head)."""
+    from safetensors.torch import load_file
+
+    from benchmark.openai_bridge import head_to_openai, lm_arrays
+    from benchmark.tiny_task import write_warm_policy as write
+
+    ours = write(assets / "base", assets / f"warm_policy_{name}", **SCENARIOS[name]["warm_start"])
+    if openai is not None:
+        hparams, arrays = lm_arrays(ours)
+        head = load_file(ours / "value_head.safetensors")
+        arrays.update(head_to_openai(head["weight"], head["bias"], "model/heads/value"))
+        (assets / f"openai_warm_policy_{name}").mkdir(exist_ok=True)
+        (assets / f"openai_warm_policy_{name}" / "hparams.json").write_text(json.dumps(hparams))
+        openai.write_checkpoint(arrays, assets / f"openai_warm_policy_{name}" / "model.ckpt")
+    return ours
+
+
+def make_labels(assets: Path, name: str, scenario: Optional[dict] = None) -> None:
+    """assets/NAME.json: best-of-4 labels of the base model's own samples, picked by the VADER labeler (this project's
+    reward script makes them, on the scenario's task)."""
+    labels, run = labels_of(scenario), assets / f"{name}_run"
+    flags = [*our_task_flags(assets, scenario), "--labels.source", "sentiment", "--labels.num-train",
+             str(labels["num_train"]), "--labels.simulated-num-test", str(labels["num_test"]), "--seed",
+             str(labels["seed"]), "--no-normalize-before", "--no-normalize-after", "--output-dir", str(run)]  # fmt: skip
+    run_ours("train_reward_accelerate.py", flags, run)
+    shutil.copy(run / "labels.json", assets / f"{name}.json")
+
+
+def stage_scenarios(out: Path, openai: OpenAI) -> None:
+    """The reward scenarios (OpenAI's train_reward and ours on the scenario's labels and normalization samples) and
+    the policy scenarios (each `updates` updates of OpenAI's free run, every rollout given to both sides again)."""
+    assets = out / "assets"
+    for name, scenario in REWARD_SCENARIOS.items():
+        stage, labels = out / "scenarios" / f"reward_{name}", f"labels_{name}.json"
+        make_labels(assets, f"labels_{name}", scenario)
+        hparams = {**openai_reward_hparams(assets, scenario=scenario, labels=labels),
+                   "run.save_dir": str(stage / "openai_run")}  # fmt: skip
+        openai.run("reward", {"hparams": hparams, "out": str(stage / "openai")})
+        np.savez(stage / "samples.npz", **merge_ranks(stage / "openai", "normalization_samples.npz", 1))
+        flags = [*our_reward_flags(assets, scenario=scenario, labels=labels), "--output-dir", str(stage / "ours")]
+        run_ours("train_reward_accelerate.py", flags, stage / "ours", replay=stage / "samples.npz")
+        comparison = compare_reward(stage)
+        (stage / "comparison.json").write_text(json.dumps(comparison, indent=1))
+        print(f"reward scenario {name}: largest relative difference {comparison['largest']:.2e}")
+    for name, scenario in SCENARIOS.items():
+        stage = out / "scenarios" / name
+        if scenario.get("warm_start"):
+            write_warm_policy(assets, name, openai)
+        source = stage / "openai_sampled"
+        hparams = openai_policy_hparams(assets, scenario["updates"], scenario=scenario)
+        openai.run("policy", {"hparams": hparams, "out": str(source), **warm_config(assets, name)})
+        given = given_rollouts(source, stage / "given.npz")
+        nminibatches = policy_settings(scenario)["nminibatches"]
+        comparison = run_policy_pair(openai, stage / "forced", given, scenario["updates"], 1, nminibatches, scenario,
+                                     name)  # fmt: skip
+        largest = ", ".join(f"{x:.1e}" for x in comparison["largest_per_update"])
+        print(f"scenario {name}, largest relative difference per update: {largest}")
 
 
 def stage_curves(out: Path, openai: OpenAI, seeds: int, updates: int) -> None:
@@ -682,33 +824,47 @@ def write_report(out: Path) -> None:
 REFERENCE = REPO / "benchmark" / "openai_reference"
 
 
-def write_reference(out: Path) -> None:
-    """OpenAI's outputs and the inputs both sides were given, small files: what CI compares this project with."""
-    import gzip
-
+def write_reference(out: Path, stages) -> None:
+    """OpenAI's outputs of `stages` and the inputs both sides were given, small files: what CI compares this project
+    with (the settings and the base labels always; the outputs of the stages that ran, so that a stage can be made
+    again alone)."""
     REFERENCE.mkdir(exist_ok=True)
     (REFERENCE / "labels.json.gz").write_bytes(gzip.compress((out / "assets" / "labels.json").read_bytes(), mtime=0))
     model = (out / "assets" / "base" / "model.safetensors").read_bytes()
-    import hashlib
-
+    warm = {}
+    for name, scenario in SCENARIOS.items():
+        if scenario.get("warm_start"):
+            digest = hashlib.sha256()
+            for file in ("model.safetensors", "value_head.safetensors"):
+                digest.update((out / "assets" / f"warm_policy_{name}" / file).read_bytes())
+            warm[name] = digest.hexdigest()
     settings = dict(task=TASK, corpus=CORPUS, base_model=BASE_MODEL, labels=LABELS, reward=REWARD, policy=POLICY,
-                    base_model_sha256=hashlib.sha256(model).hexdigest())  # fmt: skip
+                    scenarios=SCENARIOS, reward_scenarios=REWARD_SCENARIOS,
+                    base_model_sha256=hashlib.sha256(model).hexdigest(), warm_policy_sha256=warm)  # fmt: skip
     (REFERENCE / "settings.json").write_text(json.dumps(settings, indent=1) + "\n")
-    for ranks in (1, 2):
-        stage = out / "reward" / f"ranks_{ranks}"
+    rewards = [(f"reward_ranks_{ranks}", out / "reward" / f"ranks_{ranks}", None) for ranks in (1, 2)]
+    rewards = rewards if "reward" in stages else []
+    rewards += [(f"reward_{name}", out / "scenarios" / f"reward_{name}", f"labels_{name}.json")
+                for name in REWARD_SCENARIOS if "scenarios" in stages]  # fmt: skip
+    for name, stage, labels in rewards:
         if (stage / "comparison.json").exists():
-            target = REFERENCE / f"reward_ranks_{ranks}"
+            target = REFERENCE / name
             target.mkdir(exist_ok=True)
+            if labels:
+                (target / "labels.json.gz").write_bytes(gzip.compress((out / "assets" / labels).read_bytes(), mtime=0))
             shutil.copy(stage / "samples.npz", target / "samples.npz")
             c = json.loads((stage / "comparison.json").read_text())
-            openai = dict(steps=[dict(step=s["step"], loss=s["openai_loss"], accuracy=s["openai_accuracy"]) for s in c["steps"]],
-                          normalization={r["quantity"]: r["openai"] for r in c["normalization"]})  # fmt: skip
-            (target / "openai.json").write_text(json.dumps(openai, indent=1) + "\n")
-    stages = [
-        (f"update1_ranks_{r}_minibatches_{m}", out / "update1" / f"ranks_{r}_minibatches_{m}")
-        for r, m in UPDATE1_CONFIGS
+            steps = [dict(step=s["step"], loss=s["openai_loss"], accuracy=s["openai_accuracy"]) for s in c["steps"]]
+            normalization = {r["quantity"]: r["openai"] for r in c["normalization"]}
+            (target / "openai.json").write_text(json.dumps(dict(steps=steps, normalization=normalization), indent=1)
+                                                + "\n")  # fmt: skip
+    policies = [(f"update1_ranks_{r}_minibatches_{m}", out / "update1" / f"ranks_{r}_minibatches_{m}")
+                for r, m in UPDATE1_CONFIGS if "update1" in stages]  # fmt: skip
+    policies += [("teacher", out / "teacher" / "forced")] if "teacher" in stages else []
+    policies += [
+        (f"scenario_{name}", out / "scenarios" / name / "forced") for name in SCENARIOS if "scenarios" in stages
     ]
-    for name, stage in [*stages, ("teacher", out / "teacher" / "forced")]:
+    for name, stage in policies:
         if (stage / "comparison.json").exists():
             target = REFERENCE / name
             target.mkdir(exist_ok=True)
@@ -718,7 +874,7 @@ def write_reference(out: Path) -> None:
             c = json.loads((stage / "comparison.json").read_text())
             rows = [dict(update=u["update"], **{k: v["openai"] for k, v in u["stats"].items()}) for u in c["updates"]]
             (target / "openai.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    if (out / "curve_tests.json").exists():
+    if "curves" in stages and (out / "curve_tests.json").exists():
         data = curves(out)
         for side in ("openai", "ours"):
             lines = ["seed,update," + ",".join(CURVE_STATS)]
@@ -752,13 +908,15 @@ def main(args: Args) -> None:
             stage_update1(out, openai, args.mpi)
         elif stage == "teacher":
             stage_teacher(out, openai, args.teacher_updates)
+        elif stage == "scenarios":
+            stage_scenarios(out, openai)
         elif stage == "curves":
             stage_curves(out, openai, args.seeds, args.updates)
         else:
             write_report(out)
         print(f"side by side: {stage} done in {time.time() - start:.0f} s", flush=True)
     if args.write_reference:
-        write_reference(out)
+        write_reference(out, stages)
 
 
 if __name__ == "__main__":

@@ -50,9 +50,11 @@ def write_tiny_gpt2(
     seed: int = 0,
     lr: float = 1e-2,
     batch: int = 16,
+    saved_dropout: float = 0.0,
 ) -> Path:
     """A 2-layer GPT-2 (TINY_GPT2) briefly trained on `corpus` (Adam, `batch` windows of 48 tokens a step),
-    saved with its tokenizer; the same bytes on every machine (module docstring)."""
+    saved with its tokenizer; the same bytes on every machine (module docstring). Trained without dropout; its saved
+    config has `saved_dropout` as every dropout probability (GPT-2's own is 0.1, which the training scripts zero)."""
     rng = np.random.RandomState(seed)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: one thread is faster, immune to a busy machine, one summation order
@@ -92,9 +94,32 @@ def write_tiny_gpt2(
         embedding.zero_()
         embedding[vocabulary] = rows_trained
     torch.set_num_threads(threads)
+    model.config.update(dict(resid_pdrop=saved_dropout, embd_pdrop=saved_dropout, attn_pdrop=saved_dropout))
     model.float().save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+@torch.no_grad()
+def write_warm_policy(base_dir: Path, directory: Path, scale: float, value_scale: float, seed: int) -> Path:
+    """A policy that starts away from its reference: the base model with every transformer block's matrix moved by
+    N(0, scale) noise and a value head drawn N(0, value_scale), all from numpy's seeded generator and on the GRID, so
+    that it too is the same bytes on every machine (float32 sums of multiples of 2^-16 below 2^8 are exact). Written
+    as train_policy_accelerate.py writes a policy: a causal LM directory and value_head.safetensors."""
+    from safetensors.torch import save_file
+
+    rng = np.random.RandomState(seed)
+    lm = GPT2LMHeadModel.from_pretrained(base_dir, dtype=torch.float32)
+    for name, param in lm.named_parameters():
+        if name.startswith("transformer.h.") and param.dim() == 2:  # attention and MLP matrices; not the embeddings
+            noise = torch.from_numpy(np.round(rng.normal(0.0, scale, tuple(param.shape)) / GRID) * GRID)
+            param.copy_((param.double() + noise).float())
+    weight = np.round(rng.normal(0.0, value_scale, (1, lm.config.n_embd)) / GRID) * GRID
+    head = {"weight": torch.from_numpy(weight).float(), "bias": torch.tensor([0.25])}
+    lm.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(base_dir).save_pretrained(directory)
+    save_file(head, Path(directory) / "value_head.safetensors")
+    return Path(directory)
 
 
 @torch.no_grad()

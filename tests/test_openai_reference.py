@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, read_jsonl, run_script, script_command, script_environment
+from conftest import REPO, read_jsonl, run_script, script_command, script_environment, tiny_gpt2_from_cache
 
 from benchmark import side_by_side as S
 from benchmark.openai_bridge import reward_model_arrays, reward_model_from_openai, trunk_from_openai, trunk_to_openai
@@ -32,6 +32,9 @@ REWARD_RTOL = 2e-3  # every step's loss, the normalizations (measured: <= 9.3e-4
 # every stat of update 1 (measured: <= 1.1e-5, and 7.9e-4 of ppo/val/var_explained = -1.1e-4, 9e-8 absolute)
 UPDATE1_RTOL, UPDATE1_ATOL = 2e-4, 1e-7
 TEACHER_RTOL, TEACHER_ATOL = 1e-3, 1e-6  # each of 12 teacher-forced updates (measured: <= 2.9e-4, clip fractions aside)
+# each update of the scenarios (measured: <= 1.5e-4, ppo/loss/policy = -3.5e-3 at update 2 of `details`; `plain` and
+# the padded reward model <= 2.5e-5)
+SCENARIO_RTOL, SCENARIO_ATOL = 1e-3, 1e-6
 CURVE_Z = 4.0  # the free-running test: |our mean - OpenAI's| in standard errors (a real defect moves it by far more)
 OUR_SEEDS = 2  # free-running seeds run here (of the 10 a side in the side-by-side)
 
@@ -40,6 +43,7 @@ def test_the_reference_was_made_with_the_harness_settings():
     """The committed data and benchmark/side_by_side.py describe the same task (a change to one needs the other)."""
     assert SETTINGS["task"] == S.TASK and SETTINGS["corpus"] == S.CORPUS and SETTINGS["base_model"] == S.BASE_MODEL
     assert SETTINGS["labels"] == S.LABELS and SETTINGS["reward"] == S.REWARD and SETTINGS["policy"] == S.POLICY
+    assert SETTINGS["scenarios"] == S.SCENARIOS and SETTINGS["reward_scenarios"] == S.REWARD_SCENARIOS
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +53,11 @@ def assets(gpt2_tokenizer_dir, tmp_path_factory) -> Path:
     shutil.copytree(gpt2_tokenizer_dir, root / "tokenizer")
     corpus = synthetic_sentences(S.CORPUS["lines"], S.CORPUS["seed"])
     (root / "corpus.txt").write_text("\n".join(corpus) + "\n")
-    S.write_base_model(root)
+    tiny_gpt2_from_cache(root / "base", gpt2_tokenizer_dir, corpus, **S.BASE_MODEL)  # S.write_base_model's, cached
     (root / "labels.json").write_bytes(gzip.decompress((REFERENCE / "labels.json.gz").read_bytes()))
+    for name in S.REWARD_SCENARIOS:
+        labels = REFERENCE / f"reward_{name}" / "labels.json.gz"
+        (root / f"labels_{name}.json").write_bytes(gzip.decompress(labels.read_bytes()))
     return root
 
 
@@ -86,10 +93,11 @@ def reward_rows(assets) -> list[dict]:
     return rows
 
 
-def check_reward(rows: list[dict], ranks: int) -> None:
-    openai = json.loads((REFERENCE / f"reward_ranks_{ranks}" / "openai.json").read_text())
+def check_reward(rows: list[dict], ranks: int, name: str = "") -> None:
+    openai = json.loads((REFERENCE / (name or f"reward_ranks_{ranks}") / "openai.json").read_text())
     ours = {row["step"]: row for row in rows if "train/loss" in row}
-    assert len(ours) == len(openai["steps"]) == S.LABELS["num_train"] // S.REWARD["batch_size"]
+    num_train = S.labels_of(S.REWARD_SCENARIOS.get(name.removeprefix("reward_")))["num_train"]
+    assert len(ours) == len(openai["steps"]) == num_train // S.REWARD["batch_size"]
     for step in openai["steps"]:
         mine = ours[step["step"]]
         assert mine["train/loss"] == pytest.approx(step["loss"], rel=REWARD_RTOL), step
@@ -117,13 +125,13 @@ def run_policy(assets: Path, name: str, updates: int, ranks: int, nminibatches: 
     return {row["update"]: row for row in read_jsonl(out / "metrics.jsonl") if "objective/kl" in row}
 
 
-def check_policy(ours: dict[int, dict], name: str, rtol: float, atol: float) -> None:
+def check_policy(ours: dict[int, dict], name: str, rtol: float, atol: float, batch_size: int = 0) -> None:
     openai = read_jsonl(REFERENCE / name / "openai.jsonl")
     assert sorted(ours) == [row["update"] for row in openai]
     # a clip fraction counts tokens: one whose ratio or value sits on the clip boundary to float rounding counts on
     # one side or the other (measured: 2 of the 1,536 tokens of a teacher-forced update, 0 against 1.3e-3); allowed:
     # one token in each epoch
-    one_token_per_epoch = 1 / (S.POLICY["batch_size"] * S.TASK["response_length"])
+    one_token_per_epoch = 1 / ((batch_size or S.POLICY["batch_size"]) * S.TASK["response_length"])
     for row in openai:
         for key in S.POLICY_STATS:
             mine = ours[row["update"]][S.OUR_NAMES.get(key, key)]
@@ -145,6 +153,101 @@ def test_teacher_forced_updates_match_openai(assets, reward_rows, tmp_path):
     updates = len(read_jsonl(REFERENCE / "teacher" / "openai.jsonl"))
     ours = run_policy(assets, "teacher", updates, 1, 1, tmp_path / "policy")
     check_policy(ours, "teacher", TEACHER_RTOL, TEACHER_ATOL)
+
+
+def reward_scenario_rows(assets: Path, name: str, out: Path) -> list[dict]:
+    scenario = S.REWARD_SCENARIOS[name]
+    flags = [*S.our_reward_flags(assets, scenario=scenario, labels=f"labels_{name}.json"), "--output-dir", str(out)]
+    samples = REFERENCE / f"reward_{name}" / "samples.npz"
+    result = run_script("benchmark/replay.py", "train_reward_accelerate.py", str(samples), *flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_jsonl(out / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("name", S.REWARD_SCENARIOS)
+def test_reward_scenarios_match_openai(assets, name, tmp_path):
+    """The reward model on padded queries: every step's loss, both normalizations."""
+    check_reward(reward_scenario_rows(assets, name, tmp_path / "reward"), 1, f"reward_{name}")
+
+
+def test_warm_policies_are_rebuilt_bit_for_bit(assets, tmp_path):
+    for name, scenario in S.SCENARIOS.items():
+        if scenario.get("warm_start"):
+            warm = S.write_warm_policy(assets, name)
+            digest = hashlib.sha256()
+            for file in ("model.safetensors", "value_head.safetensors"):
+                digest.update((warm / file).read_bytes())
+            assert digest.hexdigest() == SETTINGS["warm_policy_sha256"][name], name
+
+
+@pytest.mark.parametrize("name", S.SCENARIOS)
+def test_policy_scenarios_match_openai(assets, reward_rows, name, tmp_path):
+    """Each scenario's updates, each on OpenAI's rollout of that update (a warm start: from update 1 on, the KL, the
+    values and the value clip are not 0)."""
+    scenario, reference = S.SCENARIOS[name], f"scenario_{name}"
+    updates = len(read_jsonl(REFERENCE / reference / "openai.jsonl"))
+    warm = ["--policy-init", str(S.write_warm_policy(assets, name))] if scenario.get("warm_start") else []
+    out = tmp_path / "policy"
+    flags = [*S.our_policy_flags(assets, updates, scenario=scenario), "--output-dir", str(out)]
+    replay = REFERENCE / reference / "replay.npz"
+    result = run_script("benchmark/replay.py", *warm, "train_policy_accelerate.py", str(replay), *flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ours = {row["update"]: row for row in read_jsonl(out / "metrics.jsonl") if "objective/kl" in row}
+    check_policy(ours, reference, SCENARIO_RTOL, SCENARIO_ATOL, S.policy_settings(scenario)["batch_size"])
+
+
+def test_the_scenarios_exercise_what_they_are_for():
+    """OpenAI's recorded numbers take the paths each scenario exists for: were the reference data made again with
+    other settings, a path could silently stop being compared."""
+    details = read_jsonl(REFERENCE / "scenario_details" / "openai.jsonl")
+    assert details[0]["objective/kl"] > 0.1 and details[0]["ppo/val/var"] > 0  # a warm start: KL and values at update 1
+    assert max(row["ppo/val/clipfrac"] for row in details) > 0.05  # the value clip binds
+    target = S.policy_settings(S.SCENARIOS["details"])["kl_target"]
+    errors = [row["objective/kl"] / target - 1 for row in details[:-1]]  # the controller's error at each update
+    assert any(abs(e) < 0.2 for e in errors) and any(e >= 0.2 for e in errors), errors
+    queries = np.load(REFERENCE / "scenario_details" / "replay.npz")["queries"]
+    assert (queries == S.OPENAI_PAD_ID).any(1).mean() > 0.2  # padded queries (cut at the end text)
+    for name in ("details", "base"):
+        responses = np.load(REFERENCE / ("teacher" if name == "base" else "scenario_details") / "replay.npz")[
+            "responses"
+        ]
+        cut = (responses[..., S.TASK["truncate_after"] :] == S.PERIOD).any(-1)
+        assert 0.02 < cut.mean() < 0.98, name  # truncated responses and penalized ones
+    base = read_jsonl(REFERENCE / "teacher" / "openai.jsonl")
+    errors = [row["objective/kl"] / S.POLICY["kl_target"] - 1 for row in base[:-1]]
+    assert any(e <= -0.2 for e in errors)  # and the controller's bottom clip
+    plain = read_jsonl(REFERENCE / "scenario_plain" / "openai.jsonl")
+    assert len({row["objective/kl_coef"] for row in plain}) == 1  # a fixed KL coefficient
+    samples = np.load(REFERENCE / "reward_padded" / "samples.npz")
+    assert (samples["before_queries"] == S.OPENAI_PAD_ID).any(1).mean() > 0.2
+    labels = json.loads(gzip.decompress((REFERENCE / "reward_padded" / "labels.json.gz").read_bytes()))
+    assert np.mean([S.OPENAI_PAD_ID in record["query"] for record in labels]) > 0.2
+
+
+def test_queries_are_cut_at_the_start_and_end_text_as_openais_dataset_cuts_them(assets):
+    """The replay gives the script OpenAI's queries; here the script's own query_from_text cuts the same texts, in
+    the order OpenAI's dataset read them (benchmark/openai_tf/shim.py: the corpus shuffled by random.seed(0)), into
+    the same queries as OpenAI's pipeline (language/datasets.py tf_dataset: after the first start token, the first
+    query_length tokens, up to the last end token; texts without them skipped)."""
+    import random
+    from types import SimpleNamespace
+
+    import rlhf_data
+    import train_policy_accelerate as P
+
+    texts = [line.strip() for line in (assets / "corpus.txt").read_text().splitlines() if line.strip()]
+    random.seed(0)
+    random.shuffle(texts)
+    tokenizer = P.load_tokenizer(str(assets / "base"))
+    task = SimpleNamespace(**S.task_settings(S.SCENARIOS["details"]))
+    ours = []
+    for text in texts:
+        tokens = tokenizer.encode(rlhf_data.clean_query_text(text, "sentiment"), add_special_tokens=False)
+        query = P.query_from_text(tokenizer, tokens, task, S.OPENAI_PAD_ID)
+        ours += [query] if query is not None else []
+    theirs = np.load(REFERENCE / "scenario_details" / "replay.npz")["queries"].reshape(-1, S.TASK["query_length"])
+    assert len(theirs) < len(ours)  # within the first pass over the corpus
+    assert theirs.tolist() == ours[: len(theirs)]
 
 
 def read_curves(path: Path) -> dict[str, np.ndarray]:
@@ -223,3 +326,30 @@ def test_harness_without_openai_src_skips_with_one_line(tmp_path):
     wrong = subprocess.run([*command, "--openai-src", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert wrong.returncode != 0 and "Traceback" not in wrong.stderr
     assert wrong.stderr.strip().splitlines()[-1].startswith(f"error: --openai-src {tmp_path}: expected commit cbfd210")
+
+
+def test_replay_fails_when_a_given_draw_is_not_used():
+    """A batch, a response set or an epoch's order the script does not take stops the run with one line: the
+    comparison would otherwise run on the script's own draws."""
+    from benchmark.replay import Replay
+
+    queries, responses = np.full((4, 3), 7), np.full((4, 2), 8)
+    replay = Replay([(queries, responses), (queries, responses)], pad_id=50257)
+    assert replay.queries(3) is None  # another size: a draw of the script's own (a corpus check, a sample table)
+    contexts = replay.queries(4)
+    assert torch.equal(replay.responses(contexts[:3]), torch.from_numpy(responses[:3]))  # sampled in chunks
+    assert torch.equal(replay.responses(contexts[3:]), torch.from_numpy(responses[3:]))
+    with pytest.raises(SystemExit, match="1 of the 2 given batches were not used"):
+        replay.check_all_taken(0, None)
+    replay.queries(4)
+    with pytest.raises(SystemExit, match="given batch 2's responses requested for other contexts"):
+        replay.responses(torch.zeros(4, 3, dtype=torch.long))
+    with pytest.raises(SystemExit, match="3 of the 4 given epoch orders were used"):
+        Replay([], pad_id=50257).check_all_taken(3, np.zeros((2, 1, 2, 4)))
+    unsampled = Replay([(queries, responses), (queries, responses)], pad_id=50257)
+    unsampled.queries(4)
+    with pytest.raises(SystemExit, match="the responses of given batch 1 were never sampled for"):
+        unsampled.queries(4)
+    only_queries = Replay([(queries, None)], pad_id=50257)  # the script samples its own responses
+    assert only_queries.responses(only_queries.queries(4)) is None
+    only_queries.check_all_taken(0, None)

@@ -4,7 +4,8 @@
     python run_openai.py policy CONFIG.json   # one JSON line of OpenAI's own stats per PPO update, its rollouts
     python run_openai.py forward CONFIG.json  # logits, values and rewards of given tokens (the bridges' check)
 
-CONFIG: {"hparams": {OpenAI's dotted hparams}, "out": DIR, "inject": rollouts.npz (policy, optional), ...}.
+CONFIG: {"hparams": {OpenAI's dotted hparams}, "out": DIR, "inject": rollouts.npz (policy, optional), "policy_init":
+DIR (policy, optional: the trained policy's starting checkpoint, the reference's stays task.policy.initial_model)}.
 Nothing of OpenAI's algorithm is replaced: the wrappers below record what its functions return (stats, sampled
 rollouts, the numpy permutations that order labels and minibatches, the normalization's mean and std) and, with
 "inject", hand its trainer given queries and responses instead of sampling them; the log-probs and values of those
@@ -176,9 +177,32 @@ def policy(config: dict) -> None:
         write_jsonl(config, "policy_stats.jsonl", rows)  # every update, so that a stopped run keeps what it did
 
     train_policy.PPOTrainer.__init__, train_policy.PPOTrainer.step = instrumented_init, timed_step
+    if config.get("policy_init"):
+        start_trained_policy_from(config["policy_init"])
     train_policy.train(hparams_of(train_policy, config))
     if config.get("dump_rollouts", True):
         np.savez(path(config, "rollouts.npz"), **{key: np.stack([r[key] for r in rollouts]) for key in rollouts[0]})
+
+
+def start_trained_policy_from(checkpoint_dir: str) -> None:
+    """A warm start: the trained policy (scope `policy`) initialized from another checkpoint than the reference policy
+    (scope `ref_policy`, still task.policy.initial_model), value head included: the same Policy._set_initializers,
+    handed another TrainedModel (a directory with hparams.json and a checkpoint) for that one scope."""
+    from lm_human_preferences.language.trained_models import TrainedModel
+    from lm_human_preferences.policy import Policy
+
+    set_initializers = Policy._set_initializers
+
+    def warm_initializers(self):
+        if self.scope.name != "policy":
+            return set_initializers(self)
+        initial, self.trained_model = self.trained_model, TrainedModel(checkpoint_dir, savedir=checkpoint_dir)
+        try:
+            set_initializers(self)
+        finally:
+            self.trained_model = initial
+
+    Policy._set_initializers = warm_initializers
 
 
 def rows_of(batch: np.ndarray) -> np.ndarray:
