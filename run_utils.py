@@ -10,7 +10,9 @@ three).
 """
 
 import ctypes
+import functools
 import importlib
+import itertools
 import json
 import math
 import netrc
@@ -29,7 +31,7 @@ from urllib.parse import urlparse
 import accelerate.utils.other
 import torch
 import tyro
-from accelerate.utils import gather_object
+from accelerate.utils import DistributedDataParallelKwargs, gather_object
 from rich.console import Console
 from rich.progress import track
 from rich.table import Table
@@ -71,17 +73,22 @@ class RunArgs:
     dry_run: bool = False
     """check every flag and every input the run will read, print the derived sizes and exit before loading a model"""
     mixed_precision: Literal["no", "bf16"] = "no"
-    """bf16: forwards under bf16 autocast with fp32 master weights and optimizer state; log-softmax, losses, rewards
-    and advantages stay fp32 (a GPU speed option: on CPUs without bf16 units it is slower; refused under DeepSpeed,
-    whose engine would hold the weights themselves in bf16)"""
+    """bf16: the trunk's forwards under bf16 autocast with fp32 master weights and optimizer state; the LM head's
+    logits, the value and reward heads, log-softmax, losses, rewards and advantages stay fp32, as OpenAI's (a GPU
+    speed option for Ampere and newer: slower on GPUs and CPUs without bf16 units; refused under DeepSpeed, whose
+    engine would hold the weights themselves in bf16)"""
     allow_tf32: bool = False
-    """TF32 matmuls on Ampere and newer GPUs (faster, ~1e-3 relative error per matmul); no effect on CPU"""
+    """TF32 matmuls on Ampere and newer GPUs (~1e-3 relative error per matmul, several times fp32's speed: what an
+    fp32 run on a GPU wants); no effect on CPU"""
     gradient_checkpointing: bool = False
     """recompute the trained model's activations in the backward pass instead of keeping them (memory knob for large
     models: one more forward per backward; same math to float rounding)"""
     peak_tflops: Optional[float] = None
     """the device's peak TFLOP/s (per process); with it, MFU (model FLOPs per second / peak) is logged as time/mfu_*
     (benchmark/throughput.py measures a peak with a matmul benchmark)"""
+    gpu_memory_gb: Optional[float] = None
+    """the GPU memory per process (GB, 2^30 bytes) that --dry-run checks its estimated peak against (docs/memory.md);
+    default: the visible GPU's, when there is one"""
     upload_model: bool = False
     """push the trained model directory to the Hugging Face Hub as --hf-repo-id (access is checked before training)"""
     hf_repo_id: Optional[str] = None
@@ -166,7 +173,7 @@ def check_run_args(args) -> None:
     """Derived values and checks of the tooling flags (each script's validate_args calls it)."""
     NOT_CHECKED.clear()
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    require_positive(args, "peak_tflops", "checkpoint_keep")
+    require_positive(args, "peak_tflops", "gpu_memory_gb", "checkpoint_keep")
     if args.checkpoint_every < 0:
         fail("--checkpoint-every must be >= 0")
     if args.resume and args.overwrite:
@@ -226,9 +233,15 @@ def available(value: str, flag: str, dry_run: bool, local: Optional[bool] = None
 
 
 def print_dry_run(args, keys: tuple[str, ...]) -> None:
-    """The one line a successful --dry-run prints: the derived sizes, and which Hub inputs it did not fetch."""
-    report = {"dry_run": "ok", **{key: getattr(args, key) for key in keys}}
+    """The one line a successful --dry-run prints: the derived sizes, the estimated peak GPU memory per process, and
+    which Hub inputs it did not fetch; on stderr, one more line when the estimate is above the GPU's memory."""
+    memory, warning = memory_check(args, args.world_size, launched_zero_stage(), gpu_memory_gb(args))
+    if memory is None:
+        NOT_CHECKED.append(f"the memory estimate (--base-model {args.base_model}: no config here, nor in the cache)")
+    report = {"dry_run": "ok", **{key: getattr(args, key) for key in keys}, "estimated_peak_memory_gb": memory}
     print(json.dumps({**report, **({"not_checked": NOT_CHECKED} if NOT_CHECKED else {})}))
+    if warning:
+        print(warning, file=sys.stderr)
 
 
 def check_services(args) -> None:
@@ -409,6 +422,7 @@ RESUME_MAY_CHANGE = {
     "upload_model",
     "hf_repo_id",
     "world_size",
+    "gpu_memory_gb",
 }  # fmt: skip (the tooling flags that a resumed run may change; each script adds its per-process sizes)
 
 
@@ -431,7 +445,14 @@ def check_launch(accelerator, args) -> None:
     if "ACCELERATE_DYNAMO_BACKEND" in os.environ and "WORLD_SIZE" not in os.environ and "MASTER_ADDR" in os.environ:
         fail(f"`accelerate launch` was given several machines or processes (MASTER_ADDR is set) but started this "
              f"process alone: {fix} (for one process, run the script with python)")  # fmt: skip
+    backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper()  # accelerate's TorchDynamoPlugin reads it
+    if backend != "NO":
+        fail(f"the accelerate config sets dynamo_backend {backend}: accelerate would compile the whole prepared model, "
+             "sampling included; set it to NO (the policy script's --compile compiles its training forward only)")  # fmt: skip
     plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None and getattr(args, "compile", False):
+        fail("--compile under DeepSpeed: torch.compile of DeepSpeed's engine is untested (DeepSpeed compiles through "
+             "its own engine.compile()); drop --compile or run without DeepSpeed")  # fmt: skip
     if plugin is None:
         # accelerate's unwrap_model (also inside transformers' save_pretrained) imports DeepSpeed whenever it is
         # installed, to test whether a model is its engine: 1.2 s of every start. This run has none: it answers so
@@ -792,11 +813,25 @@ def reduce_metrics(accelerator, means: dict[str, torch.Tensor], spreads: Optiona
 
 # ---------------------------------------------------------------------------------------------------------------------
 # devices, timing, throughput
+def ddp_options() -> list:
+    """accelerate's DDP settings for the scripts: gradients as views into DDP's all-reduce buckets (no second copy
+    of every gradient: 6 GB at gpt2-xl) and no broadcast of buffers before each forward (the models change none)."""
+    return [DistributedDataParallelKwargs(gradient_as_bucket_view=True, broadcast_buffers=False)]
+
+
 def setup_device(accelerator, allow_tf32: bool) -> None:
-    """TF32 matmuls if asked for; on CPU, glibc keeps freed large blocks for reuse: it hands every freed block above
-    its mmap threshold (a (B, T, V) logits tensor is tens of MB) back to the kernel, and the next allocation of that
-    size page-faults it in again, zeroed (the math is unchanged; a no-op where glibc is absent)."""
+    """TF32 matmuls if asked for; a warning for bf16 on a GPU without bf16 units; on CPU, glibc keeps freed large
+    blocks for reuse: it hands every freed block above its mmap threshold (a (B, T, V) logits tensor is tens of MB)
+    back to the kernel, and the next allocation of that size page-faults it in again, zeroed (the math is unchanged;
+    a no-op where glibc is absent)."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = allow_tf32
+    if accelerator.device.type == "cuda" and accelerator.mixed_precision == "bf16":
+        capability = torch.cuda.get_device_capability(accelerator.device)
+        if capability < (8, 0) and accelerator.is_main_process:  # accelerate allows it: torch emulates bf16 there
+            name = torch.cuda.get_device_name(accelerator.device)
+            print(f"warning: --mixed-precision bf16 on {name} (compute capability {capability[0]}.{capability[1]}), "
+                  "which has no bf16 units before Ampere (8.0): emulated, slower than fp32; use --mixed-precision no",
+                  file=sys.stderr)  # fmt: skip
     if accelerator.device.type == "cpu":
         try:
             libc = ctypes.CDLL("libc.so.6")
@@ -879,3 +914,252 @@ def parameter_spread(accelerator, model) -> float:
     checksum = sum(p.detach().double().sum() + p.detach().double().square().sum() for p in model.parameters())
     checksums = accelerator.gather(checksum.reshape(1))
     return (checksums.max() - checksums.min()).item()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# memory estimate: the peak GPU memory of a run per process, before it starts (the formulas: docs/memory.md)
+GB = 2**30  # the unit of time/peak_memory_gb and --gpu-memory-gb
+GPT2_SIZES = {"gpt2": (12, 768, 12), "gpt2-medium": (24, 1024, 16), "gpt2-large": (36, 1280, 20),
+              "gpt2-xl": (48, 1600, 25)}  # fmt: skip
+"""OpenAI's GPT-2 sizes (n_layer, n_embd, n_head): a --dry-run estimates them without their config file"""
+BEST_OF = 4  # the reward script's label records hold a query and 4 samples, read as one row
+LOGIT_COPIES = 4  # (rows, T, V) fp32 tensors live at a PPO micro-batch's peak: the scaled logits kept for the backward,
+# then the log-softmax's gradient, the gather's scattered gradient and their sum
+ROLLOUT_LOGIT_COPIES = 3  # a rollout chunk's policy and reference logits, and a log-softmax temporary
+ZERO_REDUCE_BUCKET = 4 * 500_000_000  # bytes: DeepSpeed's default reduce_bucket_size (5e8 fp32), allocated whole
+EFFICIENT_MICRO_BATCH = 16  # rows below which a GPU's matrix products run far from their peak: the flags that fit are
+# first sought with micro-batches of at least this many rows
+MEMORY_HEADROOM = 0.9  # of a GPU's memory the estimate may fill: the CUDA context and the allocator's free blocks (its
+# rollout and training phases fragment the cache differently) take the rest
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs of a model: its parameters counted exactly, and the sizes of its activations."""
+
+    lm_parameters: int  # the causal LM's, a tied LM head counted once (GPT-2's is its token embedding)
+    backbone_parameters: int  # without the LM head: the reward model's backbone
+    layers: int
+    width: int  # d_model
+    inner: int  # the MLP's hidden width (4 * d_model in GPT-2)
+    vocab: int  # rows of the LM head
+
+
+@functools.cache
+def model_shape(name: str) -> Optional[ModelShape]:
+    """The shape of a model, built from its config on the meta device (no memory, no weights read): the config of a
+    local directory or of the Hugging Face cache, or OpenAI's GPT-2 sizes; None when there is none (a dry run
+    downloads nothing)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config
+
+    try:
+        config = AutoConfig.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError):  # not local, not cached (or not a valid name at all)
+        if name.removeprefix("openai-community/") not in GPT2_SIZES:
+            return None
+        n_layer, n_embd, n_head = GPT2_SIZES[name.removeprefix("openai-community/")]
+        config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head)
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(config)
+    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731 (shared tensors once)
+    inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size
+    return ModelShape(lm_parameters=count(lm), backbone_parameters=count(lm.base_model),
+                      layers=config.num_hidden_layers, width=config.hidden_size, inner=inner,
+                      vocab=lm.get_output_embeddings().weight.shape[0])  # fmt: skip
+
+
+def peak_memory_parts(args, base: ModelShape, reward: Optional[ModelShape], processes: int, zero_stage: int) -> dict:
+    """The estimated peak GPU memory of one process, in bytes per part, for a script's `args` (the policy script's
+    when they have `ppo`, else the reward script's) launched on `processes` processes, under ZeRO-2 when
+    `zero_stage` is not 0 (DeepSpeed's other stages are estimated as 2). `base` is --base-model's shape, `reward` the
+    policy's reward model's (None: --rewards.function). Assumptions (docs/memory.md: ±25%):
+
+    - the trained model: fp32 weights, gradients and Adam's m and v (16 bytes per parameter); DDP keeps the
+      gradients as views into its all-reduce buckets (ddp_options), no second copy; ZeRO-2 splits gradients and
+      Adam over the processes, and adds its fp32 copy of each process's partition and a 2 GB reduce bucket; bf16
+      autocast adds bf16 copies of the weights (its cache) and keeps everything else fp32;
+    - frozen models (the policy's reference and reward models, the reward script's sampler): fp32 weights;
+    - activations saved for the backward, per token and layer of a GPT-2 block with SDPA attention (no T x T
+      matrix): 9 d_model + 2 inner values (input, layer-norm outputs, q k v, the attention's output and its
+      merged heads, the MLP's hidden and its activation), fp32; under bf16 the matrix products' inputs are bf16
+      and the layer norms' inputs fp32; with gradient checkpointing each layer keeps only its fp32 input, and one
+      layer is recomputed at a time; the reward script adds each record's (L, L) attention mask;
+    - the policy's logits: LOGIT_COPIES fp32 (rows, T, V) tensors per micro-batch;
+    - the rollout, which never overlaps the training peak: the largest of sampling a chunk of
+      --local-rollout-forward-batch-size rows (its KV cache and a step's logits), the policy's log-prob forwards of a
+      micro-batch (ROLLOUT_LOGIT_COPIES of its logits, a layer's no-grad temporaries), the reward model's scoring of
+      a chunk, and in the reward script the held-out evaluation's forward;
+    - the query's prefix and suffix tokens, SDPA's log-sum-exp and the value / reward heads' outputs are left out.
+    """
+    task, d, bf16 = args.task, base.width, args.mixed_precision == "bf16"
+    if hasattr(args, "ppo"):  # as the policy script's validate_args splits the batch
+        trained = base.lm_parameters + d + 1  # the LM and the value head
+        frozen = {"reference_model": 4 * base.lm_parameters}
+        if reward is not None:
+            frozen["reward_model"] = 4 * (reward.backbone_parameters + reward.width + 3)
+        ppo = args.ppo
+        rows = ppo.batch_size // processes // ppo.nminibatches // ppo.gradient_accumulation_steps
+        tokens = task.query_length + task.response_length
+        rollout_rows = min(args.local_rollout_forward_batch_size, ppo.batch_size // processes)  # sampling, scoring
+    else:  # the reward script: micro-batches of label records, each one row of a query and its 4 samples
+        trained = base.backbone_parameters + d + 3  # the backbone, the scalar head, the gain and the bias
+        frozen = {"sampler": 4 * base.lm_parameters}
+        rows = args.batch_size // processes // args.gradient_accumulation_steps
+        tokens = task.query_length + BEST_OF * task.response_length
+        rollout_rows = min(args.local_rollout_forward_batch_size, args.rollout_batch_size // processes)
+    parts = {"weights": 4 * trained, "bf16_weight_copies": 2 * trained if bf16 else 0}
+    if zero_stage:
+        parts["gradients"] = 4 * trained / processes + ZERO_REDUCE_BUCKET
+        parts["optimizer"] = 12 * trained / processes  # Adam's m and v, and ZeRO's fp32 copy of the partition
+    else:
+        parts["gradients"] = 4 * trained  # on several processes: DDP's buckets themselves (ddp_options)
+        parts["optimizer"] = 8 * trained  # Adam's m and v
+    parts.update(frozen)
+    values = 2 if bf16 else 4  # bytes of a saved matrix-product input
+    per_token_layer = 4 * (2 * d) + values * (7 * d + 2 * base.inner)  # the two layer norms' fp32 inputs, the rest
+    if args.gradient_checkpointing:  # each layer's fp32 input, and one layer recomputed during the backward
+        parts["activations"] = rows * tokens * (base.layers * 4 * d + per_token_layer)
+    else:
+        parts["activations"] = rows * tokens * base.layers * per_token_layer
+    forward_temporaries = 4 * tokens * (d + 2 * base.inner)  # per row: a no-grad layer's residual and MLP values
+    kv_cache = 2 * base.layers * (task.query_length + task.response_length) * d * values  # per row
+    sampling = rollout_rows * (kv_cache + 2 * 4 * base.vocab)  # the cache, a step's logits and their softmax
+    if hasattr(args, "ppo"):
+        parts["logits"] = LOGIT_COPIES * 4 * rows * task.response_length * base.vocab
+        logits = ROLLOUT_LOGIT_COPIES * 4 * task.response_length * base.vocab
+        # the log-prob forwards take the PPO micro-batch's rows (rollout_logprobs), sampling and scoring the chunks
+        parts["rollout"] = max(sampling, rows * (logits + forward_temporaries), rollout_rows * forward_temporaries)
+    else:
+        mask = 5 * tokens**2  # per record: the fp32 (L, L) attention mask and its boolean source
+        parts["activations"] += rows * mask
+        evaluation = args.eval_batch_size // processes * (mask + forward_temporaries)
+        parts["rollout"] = max(sampling, evaluation)
+    return {name: value for name, value in parts.items() if value}
+
+
+def peak_memory_phases(parts: dict) -> tuple[float, float, float]:
+    """(static, training, rollout) bytes: what lives the whole run, the training peak (activations and logits), and
+    the rollout's (sampling, scoring, evaluation), which never overlaps the training peak."""
+    training = parts.get("activations", 0) + parts.get("logits", 0)
+    static = sum(value for name, value in parts.items() if name not in ("activations", "logits", "rollout"))
+    return static, training, parts.get("rollout", 0)
+
+
+def peak_memory_total(parts: dict) -> float:
+    static, training, rollout = peak_memory_phases(parts)
+    return static + max(training, rollout)
+
+
+def estimate_peak_memory(args, processes: int, zero_stage: int) -> Optional[dict[str, float]]:
+    """peak_memory_parts in GB, with their "total"; None when --base-model's config is not here."""
+    base = model_shape(args.base_model)
+    if base is None:
+        return None
+    parts = peak_memory_parts(args, base, reward_model_shape(args, base), processes, zero_stage)
+    in_gb = {name: round(value / GB, 2) for name, value in parts.items()}
+    return {**in_gb, "total": round(peak_memory_total(parts) / GB, 2)}
+
+
+def reward_model_shape(args, base: ModelShape) -> Optional[ModelShape]:
+    """The policy's reward model: its own directory's config when it is here, else the base model's size; None for
+    --rewards.function (and for the reward script, which has none)."""
+    rewards = getattr(args, "rewards", None)
+    if rewards is None or rewards.function is not None:
+        return None
+    return (rewards.trained_model and model_shape(rewards.trained_model)) or base
+
+
+def launched_zero_stage() -> int:
+    """The ZeRO stage an `accelerate launch --config_file` with DeepSpeed gave this process (0: none)."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return 0
+    return int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
+
+
+def gpu_memory_gb(args, device: Optional[torch.device] = None) -> Optional[float]:
+    """--gpu-memory-gb, else the memory of `device` (default: the first visible GPU), None without a GPU."""
+    if args.gpu_memory_gb is not None:
+        return args.gpu_memory_gb
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", 0)
+    if device is None or device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory / GB
+
+
+def memory_check(args, processes: int, zero_stage: int, budget_gb: Optional[float]):
+    """(the estimate in GB or None, a one-line warning or None): the warning when the estimate is above
+    MEMORY_HEADROOM of `budget_gb`, naming the flags that would make the run fit."""
+    memory = estimate_peak_memory(args, processes, zero_stage)
+    if memory is None or budget_gb is None or memory["total"] <= MEMORY_HEADROOM * budget_gb:
+        return memory, None
+    fit = flags_that_fit(args, processes, zero_stage, MEMORY_HEADROOM * budget_gb * GB)
+    advice = f"{fit[0]} would fit (estimated {fit[1] / GB:.1f} GB)" if fit else "no flag of these scripts makes it fit"
+    return memory, (f"warning: the estimated peak memory per process, {memory['total']:.1f} GB (docs/memory.md), is "
+                    f"above {MEMORY_HEADROOM:.0%} of the GPU's {budget_gb:.1f} GB (--gpu-memory-gb): {advice}")  # fmt: skip
+
+
+def flags_that_fit(args, processes: int, zero_stage: int, budget: float) -> Optional[tuple[str, float]]:
+    """The first of these launches that fits `budget` bytes, with the smallest gradient accumulation (a divisor of
+    an optimizer step's rows) and the largest rollout chunks (--local-rollout-forward-batch-size, and the reward
+    script's --eval-batch-size, halved) that fit: as it is, with --gradient-checkpointing, with --mixed-precision
+    bf16 (not under DeepSpeed, which refuses it), with both, then 8 processes (or twice as many) under ZeRO-2 —
+    first with micro-batches of at least EFFICIENT_MICRO_BATCH rows, then of any size; the flags and the estimate,
+    or None when none fits."""
+    policy = hasattr(args, "ppo")
+    field, flag = ("ppo.gradient_accumulation_steps", "--ppo.gradient-accumulation-steps") if policy else (
+        "gradient_accumulation_steps", "--gradient-accumulation-steps")  # fmt: skip
+    current = args.ppo.gradient_accumulation_steps if policy else args.gradient_accumulation_steps
+    more = 8 if processes < 8 else 2 * processes
+    zero2 = f"{more} processes under ZeRO-2 in fp32 (accelerate launch --config_file benchmark/deepspeed_zero2.yaml)"
+    options = [({}, "", processes, zero_stage),
+               ({"gradient_checkpointing": True}, "--gradient-checkpointing", processes, zero_stage),
+               ({"mixed_precision": "bf16"}, "--mixed-precision bf16", processes, zero_stage),
+               ({"mixed_precision": "bf16", "gradient_checkpointing": True},
+                "--mixed-precision bf16 --gradient-checkpointing", processes, zero_stage),
+               ({"mixed_precision": "no"}, zero2, more, 2),
+               ({"mixed_precision": "no", "gradient_checkpointing": True}, f"{zero2}, --gradient-checkpointing", more, 2)]  # fmt: skip
+    base = model_shape(args.base_model)
+
+    def phases(changes: dict, launch_processes: int, launch_zero: int) -> tuple[float, float, float]:
+        changed = replace_fields(args, changes)
+        shape = reward_model_shape(changed, base)
+        return peak_memory_phases(peak_memory_parts(changed, base, shape, launch_processes, launch_zero))
+
+    halvings = lambda n: [n >> i for i in range(n.bit_length())]  # noqa: E731 (n, n / 2, ..., 1)
+    for smallest, option in itertools.product((EFFICIENT_MICRO_BATCH, 1), options):
+        changes, named, launch_processes, launch_zero = option
+        batch = args.ppo.batch_size // args.ppo.nminibatches if policy else args.batch_size  # rows of a step
+        if (changes.get("mixed_precision") == "bf16" and launch_zero) or batch % launch_processes:
+            continue
+        step_rows = batch // launch_processes
+        steps = [s for s in range(current, step_rows + 1) if step_rows % s == 0 and step_rows // s >= smallest]
+        training = next((s for s in steps if sum(phases({**changes, field: s}, launch_processes, launch_zero)[:2])
+                         <= budget), None)  # fmt: skip
+        if training is None:
+            continue
+        chunks = [{"local_rollout_forward_batch_size": c} for c in halvings(args.local_rollout_forward_batch_size)]
+        if not policy:  # and the evaluation's batch, split over the processes exactly
+            chunks = [{**c, "eval_batch_size": e} for c in chunks for e in halvings(args.eval_batch_size)
+                      if e % launch_processes == 0]  # fmt: skip
+        rollout = next((c for c in chunks if sum(phases({**changes, field: training, **c}, launch_processes,
+                                                        launch_zero)[::2]) <= budget), None)  # fmt: skip
+        if rollout is not None:
+            static, trained, rolled = phases({**changes, field: training, **rollout}, launch_processes, launch_zero)
+            flags = [named, f"{flag} {training}" if training != current else ""]
+            flags += [f"--{k.replace('_', '-')} {v}" for k, v in rollout.items() if v not in (None, getattr(args, k))]
+            return " ".join(part for part in flags if part), static + max(trained, rolled)
+    return None
+
+
+def warn_if_memory_short(args, accelerator) -> None:
+    """At a run's start on a GPU: the dry run's one-line warning (on stderr, from process 0) when the estimated peak
+    memory is above the GPU's."""
+    if accelerator.device.type != "cuda" or not accelerator.is_main_process:
+        return
+    plugin = accelerator.state.deepspeed_plugin
+    zero_stage = plugin.zero_stage if plugin is not None else 0
+    budget = gpu_memory_gb(args, accelerator.device)
+    _, warning = memory_check(args, accelerator.num_processes, zero_stage, budget)
+    if warning:
+        print(warning, file=sys.stderr)

@@ -165,10 +165,13 @@ class Args(run_utils.RunArgs):
     use_tensorflow_adam: bool = True
     """TF1-style Adam (eps outside the bias correction, as in OAI); --no-use-tensorflow-adam: torch.optim.Adam"""
     local_rollout_forward_batch_size: int = 64
-    """rows per rollout generation / forward on one process (memory knob; does not change the math)"""
+    """rows per rollout generation and scoring forward on one process (memory knob; with more than the local batch
+    size, or a multiple of it on every process, the same samples: the draws follow the chunks); the policy's and
+    the reference's log-prob forwards take the PPO micro-batch's rows, the shapes of the PPO epochs' forwards"""
     compile: bool = False
     """torch.compile the policy's training forward (PPO epochs); the first update pays the compilation (tens of
-    seconds on a CPU), later ones run the compiled kernels; same math to float rounding"""
+    seconds on a CPU), later ones run the compiled kernels; same math to float rounding (tested on CPU only; refused
+    under DeepSpeed, and with --gradient-checkpointing on several processes)"""
     print_sample_output_freq: int = 10
     """print (and save to samples.jsonl) a table of sample responses every this many updates"""
     eval_every: int = 10
@@ -291,21 +294,27 @@ def padded_forward(backbone: nn.Module, tokens: torch.Tensor, pad_id: int) -> to
 
 
 def vocabulary_logits(lm: nn.Module, hidden: torch.Tensor, pad_id: int) -> torch.Tensor:
-    """The LM head's logits in fp32 (also under bf16 autocast), the pad id's never a candidate: (..., V)."""
+    """The LM head's logits, computed in fp32 also under bf16 autocast, the pad id's never a candidate: (..., V)."""
     # OAI policy.py step_core cuts the logits to the vocabulary, so its pad id (past it) is never sampled and has no
     # probability; ours is inside the head when the tokenizer has a pad token of its own or the head is larger than
     # the tokenizer: its logit is masked then (finite, so that entropies over the masked softmax stay numbers)
     head = lm.get_output_embeddings()  # (V, d)
-    # speed: on a CPU, W @ hidden^T copied back to rows: MKL runs it 1.5x faster than hidden @ W^T at a sampling step's
-    # 8 rows, and the PPO step's 192 rows 3% faster forward + backward (docs/speed.md); the same logits to rounding
     rows = hidden.reshape(-1, hidden.shape[-1])  # (N, d)
-    logits = (head.weight @ rows.T).T.contiguous() if hidden.device.type == "cpu" else rows @ head.weight.T
-    logits = logits.view(*hidden.shape[:-1], -1).float()
-    if head.bias is not None:
-        logits = logits + head.bias
+    # OAI computed every logit in fp32: a bf16 product rounds GPT-2's logits (tens of nats) by up to 0.25 each
+    with torch.autocast(hidden.device.type, enabled=False):
+        logits = head_product(rows.to(head.weight.dtype), head.weight).view(*hidden.shape[:-1], -1).float()
+        if head.bias is not None:
+            logits = logits + head.bias
     if pad_id < logits.shape[-1]:
-        logits = logits.index_fill(-1, torch.tensor([pad_id], device=logits.device), NEVER_SAMPLED_LOGIT)
+        logits = logits.index_fill(-1, torch.full((1,), pad_id, device=logits.device), NEVER_SAMPLED_LOGIT)
     return logits
+
+
+def head_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows @ weight^T: (N, d) x (V, d) -> (N, V)."""
+    # speed: on a CPU, W @ rows^T copied back to rows: MKL runs it 1.5x faster than rows @ W^T at a sampling step's
+    # 8 rows, and the PPO step's 192 rows 3% faster forward + backward (docs/speed.md); the same logits to rounding
+    return (weight @ rows.T).T.contiguous() if rows.device.type == "cpu" else rows @ weight.T
 
 
 @torch.no_grad()
@@ -333,16 +342,20 @@ def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, respons
                 x.repeat_interleave(samples_per_context, 0) for x in (hidden, attention_mask, position_ids)
             )
         logits = vocabulary_logits(lm, hidden, pad_id) / temperature  # (B, V)
-        probabilities = F.softmax(logits, dim=-1)
-        # one uniform per draw, by inverse CDF: the same distribution as torch.multinomial, which draws an
-        # exponential per vocabulary entry and is ~30x slower on a CPU (docs/speed.md)
-        cdf = probabilities.double().cumsum(-1)  # (B, V)
-        uniform = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # (B, 1)
-        token = torch.searchsorted(cdf, uniform, right=True).clamp_max(cdf.shape[1] - 1)  # (B, 1)
+        token = draw_tokens(F.softmax(logits, dim=-1))  # (B, 1)
         steps.append(token)
         input_ids, position_ids = token, position_ids[:, -1:] + 1
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
     return torch.cat(steps, 1)
+
+
+def draw_tokens(probabilities: torch.Tensor) -> torch.Tensor:
+    """One token per row drawn from (B, V) probabilities: (B, 1)."""
+    # one uniform per draw, by inverse CDF: the same distribution as torch.multinomial, which draws an
+    # exponential per vocabulary entry and is ~30x slower on a CPU (docs/speed.md)
+    cdf = probabilities.double().cumsum(-1)  # (B, V)
+    uniform = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # (B, 1)
+    return torch.searchsorted(cdf, uniform, right=True).clamp_max(cdf.shape[1] - 1)
 
 
 def truncate_responses(responses: torch.Tensor, truncate_token_id: int, truncate_after: int, pad_id: int):
@@ -493,7 +506,13 @@ class RewardModel(nn.Module):
             # detail: reward from the last token — the hidden state of the last real token, the last column once
             # left padded (OAI rewards.py TrainedRewardModel)
             hidden = padded_forward(self.backbone, query_responses, self.pad_id)[:, -1]  # (B, d_model)
-        return self.reward_gain * self.scalar_head(hidden).squeeze(-1) + self.reward_bias
+        return self.normalized_reward(hidden)
+
+    def normalized_reward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """gain * head(h) + bias of last hidden states (..., d_model) -> (...), in the weights' fp32 also under bf16
+        autocast."""
+        with torch.autocast(hidden.device.type, enabled=False):  # as OAI's: a bf16 output would keep 3 digits
+            return self.reward_gain * self.scalar_head(hidden.to(self.reward_gain.dtype)).squeeze(-1) + self.reward_bias
 
     def last_hidden_of_responses_sharing_their_query(self, queries: torch.Tensor, responses: torch.Tensor):
         """The hidden state of each query ⊕ response's last real token, the same as from n rows query ⊕ response_i
@@ -568,6 +587,9 @@ def validate_args(args: Args) -> Args:
         args.local_mini_batch_size, ppo.gradient_accumulation_steps,
         "--ppo.batch-size / (processes * --ppo.nminibatches * --ppo.gradient-accumulation-steps)",
     )  # fmt: skip
+    if args.compile and args.gradient_checkpointing and processes > 1:
+        run_utils.fail("--compile with --gradient-checkpointing on several processes: DDP's graph splitting for "
+                       "compiled models does not handle activation checkpoints (pytorch#104674): drop one of the two")  # fmt: skip
     if ppo.whitening_ranks < 1 or ppo.whitening_ranks % processes:
         run_utils.fail(f"--ppo.whitening-ranks {ppo.whitening_ranks} must be a multiple of the {processes} processes")
     args.local_whitening_ranks = ppo.whitening_ranks // processes
@@ -706,7 +728,12 @@ class PolicyAndValueWrapper(nn.Module):
     def forward(self, query_responses: torch.Tensor, context_length: int, pad_id: int, temperature: float):
         """Logits / temperature and values at the T positions that predict the response: ((B, T, V), (B, T))."""
         hidden = padded_forward(self.lm.base_model, query_responses, pad_id)[:, context_length - 1 : -1]  # (B, T, d)
-        return response_logits(self.lm, hidden, temperature, pad_id), self.value_head(hidden).squeeze(-1)
+        return response_logits(self.lm, hidden, temperature, pad_id), self.value_of(hidden)
+
+    def value_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The value head's output (..., d) -> (...), in the weights' fp32 also under bf16 autocast."""
+        with torch.autocast(hidden.device.type, enabled=False):  # as OAI's: a bf16 output would keep 3 digits
+            return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
 
 
 def response_logits(lm: nn.Module, hidden: torch.Tensor, temperature: float, pad_id: int) -> torch.Tensor:
@@ -745,14 +772,16 @@ def generate_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, args:
 
 
 @torch.no_grad()
-def rollout_logprobs(policy: PolicyAndValueWrapper, ref_lm, query_responses, context_length: int, pad_id: int, args):
+def rollout_logprobs(policy: PolicyAndValueWrapper, ref_lm, query_responses, context_length: int, pad_id: int,
+                     scale: float, chunk: int):  # fmt: skip
     """Log-probs of the responses under the policy and the reference policy, and the values: one forward each over
     query ⊕ response, in chunks, the policy's the same computation as the PPO epochs' (so their first ratios are
-    exactly 1, also under bf16, where the sampling loop's KV-cached forwards differ by up to 0.2 in a log-prob):
-    (B, T) each."""
-    scale = args.task.temperature if args.task.scale_logprobs else 1.0  # the log-probs' logits are divided by it
+    exactly 1, also under bf16, where the sampling loop's KV-cached forwards differ by up to 0.2 in a log-prob;
+    tested on CPU; in chunks of the PPO micro-batch, so that on a GPU too the same shapes run the same kernels, but
+    not with --compile, whose kernels differ from these eager ones by rounding); `scale` divides the logits (the
+    sampling temperature), `chunk` rows a forward (the PPO micro-batch): (B, T) each."""
     outputs = []
-    for rows in query_responses.split(args.local_rollout_forward_batch_size):
+    for rows in query_responses.split(chunk):
         response = rows[:, context_length:]
         logits, values = policy(rows, context_length, pad_id, scale)
         ref_logits = lm_logits(ref_lm, rows, context_length, pad_id, scale)
@@ -978,7 +1007,9 @@ def evaluate_gold(
             torch.manual_seed(EVAL_SEED + accelerator.process_index)
             responses = generate_responses(policy.lm, contexts, pad_id, args)
         query_responses = torch.cat([contexts, responses], 1)
-        logprobs, ref_logprobs, _ = rollout_logprobs(policy, ref_lm, query_responses, contexts.shape[1], pad_id, args)
+        scale = args.task.temperature if args.task.scale_logprobs else 1.0
+        logprobs, ref_logprobs, _ = rollout_logprobs(policy, ref_lm, query_responses, contexts.shape[1], pad_id, scale,
+                                                     args.micro_batch_size)  # fmt: skip
         cut_token_id = truncate_token_id(tokenizer, args.task)
         postprocessed, scores = score_responses(reward_model, queries, responses, cut_token_id, args)
     texts = decode(tokenizer, postprocessed)
@@ -1039,12 +1070,15 @@ def main(args: Args) -> None:
     pad_id, cut_token_id = tokenizer.pad_token_id, truncate_token_id(tokenizer, task)
     scale = task.temperature if task.scale_logprobs else 1.0  # the log-probs' logits are divided by it
     accelerator = Accelerator(
-        gradient_accumulation_steps=ppo.gradient_accumulation_steps, mixed_precision=args.mixed_precision
+        gradient_accumulation_steps=ppo.gradient_accumulation_steps,
+        mixed_precision=args.mixed_precision,
+        kwargs_handlers=run_utils.ddp_options(),
     )
     run = run_utils.Run(args, accelerator, "policy", RESUME_MAY_CHANGE, step_name="update")  # files, resume, signals
     if run.finished:
         return
     run_utils.setup_device(accelerator, args.allow_tf32)
+    run_utils.warn_if_memory_short(args, accelerator)  # the estimate of --dry-run, against this GPU's memory
     device = accelerator.device
     policy, ref_lm, reward_model = load_models(args, tokenizer, device)
     optimizer = make_optimizer(policy.parameters(), ppo.lr, ppo.eps, args.use_tensorflow_adam)
@@ -1085,7 +1119,7 @@ def main(args: Args) -> None:
             timer("time/generation")
             query_responses = torch.cat([contexts, responses], 1)  # (B, C' + T)
             logprobs, ref_logprobs, values = rollout_logprobs(unwrapped, ref_lm, query_responses, contexts.shape[1],
-                                                              pad_id, args)  # fmt: skip
+                                                              pad_id, scale, args.micro_batch_size)  # fmt: skip
             timer("time/logprobs")
             # 2. post-process responses and score them: truncation after the truncate token, and the penalty score
             # for a response without one after truncate_after

@@ -240,21 +240,27 @@ def padded_forward(backbone: nn.Module, tokens: torch.Tensor, pad_id: int) -> to
 
 
 def vocabulary_logits(lm: nn.Module, hidden: torch.Tensor, pad_id: int) -> torch.Tensor:
-    """The LM head's logits in fp32 (also under bf16 autocast), the pad id's never a candidate: (..., V)."""
+    """The LM head's logits, computed in fp32 also under bf16 autocast, the pad id's never a candidate: (..., V)."""
     # OAI policy.py step_core cuts the logits to the vocabulary, so its pad id (past it) is never sampled and has no
     # probability; ours is inside the head when the tokenizer has a pad token of its own or the head is larger than
     # the tokenizer: its logit is masked then (finite, so that entropies over the masked softmax stay numbers)
     head = lm.get_output_embeddings()  # (V, d)
-    # speed: on a CPU, W @ hidden^T copied back to rows: MKL runs it 1.5x faster than hidden @ W^T at a sampling step's
-    # 8 rows, and the PPO step's 192 rows 3% faster forward + backward (docs/speed.md); the same logits to rounding
     rows = hidden.reshape(-1, hidden.shape[-1])  # (N, d)
-    logits = (head.weight @ rows.T).T.contiguous() if hidden.device.type == "cpu" else rows @ head.weight.T
-    logits = logits.view(*hidden.shape[:-1], -1).float()
-    if head.bias is not None:
-        logits = logits + head.bias
+    # OAI computed every logit in fp32: a bf16 product rounds GPT-2's logits (tens of nats) by up to 0.25 each
+    with torch.autocast(hidden.device.type, enabled=False):
+        logits = head_product(rows.to(head.weight.dtype), head.weight).view(*hidden.shape[:-1], -1).float()
+        if head.bias is not None:
+            logits = logits + head.bias
     if pad_id < logits.shape[-1]:
-        logits = logits.index_fill(-1, torch.tensor([pad_id], device=logits.device), NEVER_SAMPLED_LOGIT)
+        logits = logits.index_fill(-1, torch.full((1,), pad_id, device=logits.device), NEVER_SAMPLED_LOGIT)
     return logits
+
+
+def head_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows @ weight^T: (N, d) x (V, d) -> (N, V)."""
+    # speed: on a CPU, W @ rows^T copied back to rows: MKL runs it 1.5x faster than rows @ W^T at a sampling step's
+    # 8 rows, and the PPO step's 192 rows 3% faster forward + backward (docs/speed.md); the same logits to rounding
+    return (weight @ rows.T).T.contiguous() if rows.device.type == "cpu" else rows @ weight.T
 
 
 @torch.no_grad()
@@ -282,16 +288,20 @@ def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, respons
                 x.repeat_interleave(samples_per_context, 0) for x in (hidden, attention_mask, position_ids)
             )
         logits = vocabulary_logits(lm, hidden, pad_id) / temperature  # (B, V)
-        probabilities = F.softmax(logits, dim=-1)
-        # one uniform per draw, by inverse CDF: the same distribution as torch.multinomial, which draws an
-        # exponential per vocabulary entry and is ~30x slower on a CPU (docs/speed.md)
-        cdf = probabilities.double().cumsum(-1)  # (B, V)
-        uniform = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # (B, 1)
-        token = torch.searchsorted(cdf, uniform, right=True).clamp_max(cdf.shape[1] - 1)  # (B, 1)
+        token = draw_tokens(F.softmax(logits, dim=-1))  # (B, 1)
         steps.append(token)
         input_ids, position_ids = token, position_ids[:, -1:] + 1
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
     return torch.cat(steps, 1)
+
+
+def draw_tokens(probabilities: torch.Tensor) -> torch.Tensor:
+    """One token per row drawn from (B, V) probabilities: (B, 1)."""
+    # one uniform per draw, by inverse CDF: the same distribution as torch.multinomial, which draws an
+    # exponential per vocabulary entry and is ~30x slower on a CPU (docs/speed.md)
+    cdf = probabilities.double().cumsum(-1)  # (B, V)
+    uniform = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # (B, 1)
+    return torch.searchsorted(cdf, uniform, right=True).clamp_max(cdf.shape[1] - 1)
 
 
 def truncate_responses(responses: torch.Tensor, truncate_token_id: int, truncate_after: int, pad_id: int):
@@ -442,7 +452,13 @@ class RewardModel(nn.Module):
             # detail: reward from the last token — the hidden state of the last real token, the last column once
             # left padded (OAI rewards.py TrainedRewardModel)
             hidden = padded_forward(self.backbone, query_responses, self.pad_id)[:, -1]  # (B, d_model)
-        return self.reward_gain * self.scalar_head(hidden).squeeze(-1) + self.reward_bias
+        return self.normalized_reward(hidden)
+
+    def normalized_reward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """gain * head(h) + bias of last hidden states (..., d_model) -> (...), in the weights' fp32 also under bf16
+        autocast."""
+        with torch.autocast(hidden.device.type, enabled=False):  # as OAI's: a bf16 output would keep 3 digits
+            return self.reward_gain * self.scalar_head(hidden.to(self.reward_gain.dtype)).squeeze(-1) + self.reward_bias
 
     def last_hidden_of_responses_sharing_their_query(self, queries: torch.Tensor, responses: torch.Tensor):
         """The hidden state of each query ⊕ response's last real token, the same as from n rows query ⊕ response_i
@@ -696,8 +712,8 @@ def evaluate(accelerator, reward_model, labels: dict, test_ids: torch.Tensor, ar
         loss, accuracy = best_of_4_loss(reward_model, *batch)
         losses.append(loss * len(ids))
         accuracies.append(accuracy * len(ids))
-    totals = torch.stack([sum(losses), sum(accuracies), torch.tensor(float(len(local_ids)))])
-    loss_sum, accuracy_sum, count = accelerator.reduce(totals.to(accelerator.device), "sum").tolist()
+    totals = torch.stack([sum(losses), sum(accuracies), torch.tensor(float(len(local_ids)), device=accelerator.device)])
+    loss_sum, accuracy_sum, count = accelerator.reduce(totals, "sum").tolist()
     return {"test/loss": loss_sum / count, "test/accuracy": accuracy_sum / count}
 
 
@@ -705,7 +721,8 @@ def timing_stats(run, trunk_params: int, step_start: float, args: Args) -> dict:
     """elapsed/time, the step's seconds and, with --peak-tflops, its MFU (per process: a label's query once and its 4
     samples, 2 FLOPs per trunk parameter and token forward, twice that backward)."""
     seconds = time.perf_counter() - step_start
-    stats = {"elapsed/time": run.elapsed(), "time/train_step": seconds}
+    stats = {"elapsed/time": run.elapsed(), "time/train_step": seconds,
+             "time/peak_memory_gb": run_utils.peak_memory_gb(run.accelerator.device)}  # fmt: skip
     if args.peak_tflops:
         tokens = args.local_batch_size * (args.task.query_length + NUM_SAMPLES * args.task.response_length)
         stats["time/mfu_train_step"] = run_utils.mfu(6 * trunk_params * tokens, seconds, args.peak_tflops)
@@ -748,12 +765,15 @@ def main(args: Args) -> None:
         return run_utils.print_dry_run(args, ("world_size", "local_batch_size", "micro_batch_size", "num_updates"))
     task, pad_id, cut_token_id = args.task, tokenizer.pad_token_id, truncate_token_id(tokenizer, args.task)
     accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=args.mixed_precision
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision=args.mixed_precision,
+        kwargs_handlers=run_utils.ddp_options(),
     )
     run = run_utils.Run(args, accelerator, "reward_model", RESUME_MAY_CHANGE)  # output dir, logs, resume, signals
     if run.finished:
         return
     run_utils.setup_device(accelerator, args.allow_tf32)
+    run_utils.warn_if_memory_short(args, accelerator)  # the estimate of --dry-run, against this GPU's memory
     reward_model, ref_lm = load_reward_model_and_sampler(args, pad_id, accelerator.device)
     # detail: different seeds for different processes — seed + rank * 100003 (OAI utils/core.py set_mpi_seed)
     torch.manual_seed(args.seed + accelerator.process_index * RANK_SEED_STRIDE)

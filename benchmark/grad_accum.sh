@@ -5,10 +5,12 @@
 # differ only by accumulation (and float summation order). The policy runs stop at 100k episodes (~196 updates):
 # enough to see the curves overlay or drift apart.
 #
-# Resources per seed: 1 GPU (one process keeps it to accumulation alone). Time per seed (ESTIMATE): 2 reward models
-# ~15 min each, 2 policies ~15-20 min each, ~1.2 h in all. 3 seeds, ~4 GPU-hours.
+# Resources per seed: 1 GPU of 80 GB (one process keeps it to accumulation alone): the accumulation-1 policy (gpt2,
+# fp32, micro-batch 512) needs ~38 GB by run_utils' estimate (`--dry-run`; docs/memory.md), more than 90% of an A100
+# 40 GB, the `gpu` queue of benchmark/aws/pcluster.yaml. Time per seed (ESTIMATE): 2 reward models ~15 min each,
+# 2 policies ~15-20 min each, ~1.2 h in all. 3 seeds, ~4 GPU-hours.
 #
-#   bash benchmark/grad_accum.sh --slurm --workers 3 --slurm-partition gpu
+#   bash benchmark/grad_accum.sh --slurm --workers 3 --slurm-partition gpu-80gb
 # then: python benchmark/compare.py --task sentiment --runs "accum-1=runs/grad_accum/sentiment/policy_accum1_*" \
 #           --runs "accum-8=runs/grad_accum/sentiment/policy_accum8_*" --openai-source none
 #       python benchmark/compare.py --task sentiment --runs "accum-1=runs/grad_accum/sentiment/reward_accum1_*" \

@@ -9,7 +9,7 @@
 # Resources per seed: 1 node, 8 GPUs with 80 GB each (A100/H100). Time per seed (ESTIMATE, scaled from gpt2 by
 # parameter count): gpt2-large ~5-8 h, gpt2-xl ~10-15 h. 15 seeds, roughly 1,000-1,500 GPU-hours.
 #
-#   bash benchmark/large_models.sh --slurm --workers 3 --slurm-partition gpu --slurm-time 24:00:00
+#   bash benchmark/large_models.sh --slurm --workers 3 --slurm-partition gpu-80gb --slurm-time 24:00:00
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -176,6 +176,7 @@ def test_slurm_dry_run_renders_the_template(tmp_path):
         "#SBATCH --cpus-per-task=48",
         f"#SBATCH --output={tmp_path}/deep/logs/%x_%A_%a.out",
         f"#SBATCH --chdir={tmp_path}",
+        "#SBATCH --signal=TERM@300",  # the template's own: time to checkpoint before the time limit
         "#SBATCH --gres=gpu:8",
         "#SBATCH --partition=gpu",
         "#SBATCH --exclude=node[01-02]",

@@ -1,13 +1,17 @@
 """The air-gapped GPU node path, on this CPU: benchmark/gpu/prepare.sh builds a bundle (here for this Python) where
 PyPI is reachable; then, in a fresh virtual environment that has only a preinstalled PyTorch stack (torch 2.13 and
 the target stack's versions of transformers, accelerate, huggingface_hub, tokenizers), with the network cut
-(`unshare -n`), benchmark/gpu/check.sh installs the bundle with no index and writes its JSON line. CI runs the fp32
-configuration on the tiny model; `CONFIGS` (all three by default) runs the rest the same way."""
+(`unshare -n`) and its site-packages mounted read-only, benchmark/gpu/check.sh installs what the node lacks from the
+bundle, with no index, into a directory of its own, and writes its JSON lines. CI runs the tiny model's zero2 (on a
+CPU: plain accelerate launch), reward and fp32 configurations; `RUNS` runs any other the same way. Also: check.sh's
+plan, and a configuration past its time limit."""
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO
@@ -25,6 +29,7 @@ def test_every_module_level_import_of_the_check_path_is_in_the_node_stack_or_the
     import ast
 
     allowed = {"torch", "transformers", "accelerate", "safetensors", "numpy", "rich", "tyro", "run_utils", "rlhf_data"}
+    allowed.add("psutil")  # accelerate's dependency
     for name in ("train_reward_accelerate.py", "train_policy_accelerate.py", "run_utils.py", "rlhf_data.py",
                  "quickstart_assets.py", "benchmark/throughput.py"):  # fmt: skip
         tree = ast.parse((REPO / name).read_text())
@@ -46,7 +51,8 @@ def test_every_module_level_import_of_the_check_path_is_in_the_node_stack_or_the
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory, gpt2_tokenizer_dir):
     out = tmp_path_factory.mktemp("bundle")
-    env = {**os.environ, "PYTHON_VERSION": f"{sys.version_info.major}.{sys.version_info.minor}"}
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    env = {**os.environ, "PYTHON_VERSION": version, "PYTHON": sys.executable}
     result = subprocess.run(["bash", str(REPO / "benchmark/gpu/prepare.sh"), str(out)], capture_output=True, text=True,
                             env=env, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -64,6 +70,16 @@ def test_prepare_makes_a_small_bundle_of_wheels_and_the_tokenizer(bundle):
     assert sum(path.stat().st_size for path in bundle.rglob("*") if path.is_file()) < 64 * 2**20
 
 
+def site_packages(python: Path) -> Path:
+    return Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
+
+
+def snapshot(directory: Path) -> dict[str, float]:
+    """Every file under `directory` and its modification time."""
+    return {str(path.relative_to(directory)): path.stat().st_mtime for path in directory.rglob("*")}
+
+
 def test_check_runs_offline_from_the_bundle_in_a_bare_environment(bundle, tmp_path):
     venv = tmp_path / "node-env"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
@@ -77,22 +93,78 @@ def test_check_runs_offline_from_the_bundle_in_a_bare_environment(bundle, tmp_pa
     assert install.returncode == 0, install.stderr[-3000:]
     missing = subprocess.run([str(python), "-c", "import tyro"], capture_output=True, text=True)
     assert missing.returncode != 0  # the node lacks it: the bundle brings it
-    results = tmp_path / "results.jsonl"
+    node_packages = site_packages(python)
+    before = snapshot(node_packages)
+    out, site = tmp_path / "gpu_check", tmp_path / "gpu_check" / "site-packages"
     env = {key: value for key, value in os.environ.items() if not key.startswith(("HF_", "PYTHON"))}
-    env.update(PATH=f"{venv / 'bin'}:{env['PATH']}", BUNDLE=str(bundle), MODELS="tiny", BATCH="16", CONFIGS="fp32",
-               UPDATES="1", LIMIT="300", ACCELERATE_USE_CPU="true", RESULTS=str(results), OMP_NUM_THREADS="2")  # fmt: skip
-    check = subprocess.run(["unshare", "--net", "bash", str(REPO / "benchmark/gpu/check.sh")], capture_output=True,
-                           text=True, env=env, cwd=tmp_path, timeout=600)  # fmt: skip
+    env.update(PATH=f"{venv / 'bin'}:{env['PATH']}", BUNDLE=str(bundle), RUNS="tiny:zero2 tiny:reward tiny:fp32",
+               BATCH="16", UPDATES="1", LIMIT="300", ACCELERATE_USE_CPU="true", OUT_DIR=str(out), OMP_NUM_THREADS="2")  # fmt: skip
+    # no network but the loopback (zero2's launcher meets its process there), the node's site-packages read-only (a
+    # mount: root ignores file modes)
+    setup = (f'ip link set lo up && mount --bind "{node_packages}" "{node_packages}" && '
+             f'mount -o remount,bind,ro "{node_packages}" && ')  # fmt: skip
+    check = subprocess.run(["unshare", "--net", "--mount", "bash", "-c",
+                            setup + f'exec bash "{REPO / "benchmark/gpu/check.sh"}"'], capture_output=True,
+                           text=True, env=env, cwd=tmp_path, timeout=900)  # fmt: skip
     assert check.returncode == 0, check.stderr[-3000:]
-    (line,) = [json.loads(line) for line in results.read_text().splitlines()]
-    assert line["name"] == "tiny fp32" and "failed" not in line, (line, check.stderr[-3000:])
-    assert line["result"]["stage"] == "policy" and line["result"]["seconds_per_update"] > 0
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [line["name"] for line in lines] == ["tiny zero2", "tiny reward", "tiny fp32"], check.stderr[-3000:]
+    assert all("failed" not in line for line in lines), (lines, check.stderr[-3000:])
+    zero2, reward, policy = (line["result"] for line in lines)
+    assert policy["stage"] == "policy" and policy["seconds_per_update"] > 0 and policy["peak_precision"] == "fp32"
+    assert policy["estimated_peak_memory_gb"]["total"] > 0 and policy["peak_memory_gb"] > 0
+    assert reward["stage"] == "reward" and reward["eval_seconds_per_label"] > 0
+    assert all(Path(line["log"]).stat().st_size > 0 for line in lines)  # one log per configuration
     assert "transformers 5.17.0" in check.stderr and "tyro 1.0.17" in check.stderr
-    # the zero2 configuration's DeepSpeed installs from the bundle with no index and no network
-    install = subprocess.run(["unshare", "--net", str(python), "-m", "pip", "install", "--quiet", "--no-index",
-                              "--find-links", str(bundle / "deepspeed"), "-r", str(REPO / "requirements-deepspeed.txt")],
-                             capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert install.returncode == 0, install.stderr[-3000:]
+    assert snapshot(node_packages) == before  # nothing of the node's own packages replaced or added
+    installed = {path.name.split("-")[0].lower() for path in site.glob("*.dist-info")}
+    assert {"tyro", "docstring_parser", "typeguard", "deepspeed", "hjson"} <= installed
+    assert not installed & {"typing_extensions", "numpy", "torch", "packaging"}  # the node has them: kept
     version = subprocess.run([str(python), "-c", "import deepspeed; print(deepspeed.__version__)"], capture_output=True,
-                             text=True, env={**env, "DS_ACCELERATOR": "cpu"}, timeout=120)  # fmt: skip
+                             text=True, env={**env, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(site)}, timeout=120)  # fmt: skip
     assert version.stdout.strip().splitlines()[-1] == "0.19.7", version.stderr[-3000:]
+
+
+def check_sh(tmp_path: Path, **env) -> subprocess.CompletedProcess:
+    """check.sh without a bundle, in this environment."""
+    environment = {**os.environ, "PYTHON": sys.executable, "OUT_DIR": str(tmp_path / "out"), **env}
+    return subprocess.run(["bash", str(REPO / "benchmark/gpu/check.sh")], capture_output=True, text=True,
+                          env=environment, timeout=300)  # fmt: skip
+
+
+def test_plan_prints_the_configurations_in_order_and_the_total_within_the_budget(tmp_path):
+    """`PLAN=1`: ZeRO-2 first, then the reward stage; each configuration's estimate, the total within BUDGET
+    (8 minutes); nothing run, nothing written."""
+    result = check_sh(tmp_path, PLAN="1", GPUS="1")
+    assert result.returncode == 0, result.stderr
+    rows = re.findall(r"^ +(\d+)\. (\S+) (\S+) +~ *(\d+) s", result.stdout, re.MULTILINE)
+    assert [(model, config) for _, model, config, _ in rows][:2] == [("gpt2", "zero2"), ("gpt2", "reward")]
+    assert ("gpt2-large", "bf16+tf32+compile") not in [(model, config) for _, model, config, _ in rows]
+    total = int(re.search(r"^total ~(\d+) s: within BUDGET 480 s", result.stdout, re.MULTILINE).group(1))
+    assert total == pytest.approx(sum(int(seconds) for *_, seconds in rows), abs=len(rows)) and total <= 480
+    assert "ESTIMATED" in result.stdout and not (tmp_path / "out").exists()
+    assert check_sh(tmp_path, PLAN="1", RUNS="gpt2:nonsense").returncode != 0
+    sys.path.insert(0, str(REPO / "benchmark" / "gpu"))
+    import plan
+
+    configurations = re.findall(r"^    \[([\w+]+)\]=", (REPO / "benchmark/gpu/check.sh").read_text(), re.MULTILINE)
+    assert set(configurations) == set(plan.CONFIGS)  # the plan knows every configuration check.sh has
+
+
+def test_a_configuration_past_its_limit_is_recorded_and_leaves_nothing_behind(tmp_path):
+    """LIMIT 25 s (throughput.py --timeout): a failed line naming the time limit, the configuration's log, and no
+    process of it left (check.sh marks each configuration's processes with GPU_CHECK_TAG)."""
+    result = check_sh(tmp_path, RUNS="tiny:fp32", BATCH="16", UPDATES="1000", LIMIT="25", ACCELERATE_USE_CPU="true",
+                      OMP_NUM_THREADS="1")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    (line,) = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert line["name"] == "tiny fp32" and line["failed"] == "time limit (25 s)", line
+    assert "--timeout 25 s reached" in Path(line["log"]).read_text()
+    assert not [process for process in Path("/proc").glob("[0-9]*") if has_check_tag(process)]
+
+
+def has_check_tag(process: Path) -> bool:
+    try:
+        return any(entry.startswith(b"GPU_CHECK_TAG=") for entry in (process / "environ").read_bytes().split(b"\0"))
+    except OSError:  # not a process, or gone
+        return False

@@ -1,6 +1,8 @@
 """--mixed-precision bf16 (a GPU speed option) checked on CPU: forwards under bf16 autocast stay within a stated
 tolerance of fp32, the quantities PPO computes with stay fp32, and both scripts run end to end with it."""
 
+import types
+
 import pytest
 import torch
 from conftest import read_jsonl, run_script
@@ -34,11 +36,63 @@ def test_bf16_autocast_logprobs_and_values_stay_within_tolerance_of_fp32():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits_bf16, values_bf16 = policy(tokens, 16, PAD, 0.7)
             logprobs_bf16 = P.logprobs_from_logits(logits_bf16, responses)
-    assert values_bf16.dtype == torch.bfloat16  # autocast really ran in bf16 ...
-    assert logits_bf16.dtype == logprobs_bf16.dtype == torch.float32  # ... but not logits / T nor the log-softmax
+    # the trunk ran in bf16 (the log-probs differ), the heads and the log-softmax in fp32
+    assert logits_bf16.dtype == logprobs_bf16.dtype == values_bf16.dtype == torch.float32
     difference = (logprobs_bf16 - reference).abs().max().item()
     assert 0 < difference < LOGPROB_TOLERANCE, difference
-    assert (values_bf16.float() - values).abs().max().item() < VALUE_TOLERANCE
+    assert 0 < (values_bf16 - values).abs().max().item() < VALUE_TOLERANCE
+
+
+def gpt2_sized_hidden_and_head(rows: int, d: int = 768, vocabulary: int = 50257):
+    """Final hidden states and an LM head whose logits have GPT-2's magnitudes: a shared component of about -60 nats
+    (GPT-2's raw logits lie between about -20 and -150) plus a spread of about 5 nats per token."""
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(rows, d, generator=generator)
+    hidden[:, 0] = 30.0  # the shared direction
+    head = torch.nn.Linear(d, vocabulary, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(vocabulary, d, generator=generator) * 5 / d**0.5)
+        head.weight[:, 0] = -2.0
+    return hidden, head
+
+
+def test_gpt2_sized_logits_give_fp32_logprobs_under_bf16_autocast():
+    """OpenAI computed every logit in fp32. bf16 keeps 8 significant bits: a logit near -60 rounds by up to 0.125,
+    which the log-softmax does not cancel (the product in bf16 puts these likely tokens' log-probs 0.07 nats off);
+    the LM head's product runs in fp32 also under autocast, so the log-probs are fp32's to 1e-3 nats."""
+    hidden, head = gpt2_sized_hidden_and_head(16)
+    lm = types.SimpleNamespace(get_output_embeddings=lambda: head)
+    logits = P.vocabulary_logits(lm, hidden, pad_id=50257) / 0.7
+    assert -150 < logits.min() < logits.max() < -20
+    tokens = logits.argmax(-1, keepdim=True)  # likely tokens, whose log-probs matter most
+    reference = P.logprobs_from_logits(logits[:, None], tokens)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits_bf16 = P.vocabulary_logits(lm, hidden, pad_id=50257) / 0.7
+        bf16_product = (hidden @ head.weight.T) / 0.7  # what the head computed before: its product under autocast
+    assert logits_bf16.dtype == torch.float32
+    error = (P.logprobs_from_logits(logits_bf16[:, None], tokens) - reference).abs().max().item()
+    assert error < 1e-3, error
+    assert (P.logprobs_from_logits(bf16_product.float()[:, None], tokens) - reference).abs().max() > 0.05
+
+
+def test_value_and_reward_heads_are_fp32_under_bf16_autocast():
+    """The value head and the reward head read hidden states with a large shared component (a random head on GPT-2's
+    final hidden states gives outputs of mean/std ~10): their affine outputs are computed in fp32, not rounded to
+    bf16's 3 digits after the normalization's gain and bias."""
+    hidden, _ = gpt2_sized_hidden_and_head(32, d=64)
+    policy = tiny_policy()
+    torch.nn.init.normal_(policy.value_head.weight, std=0.5)
+    reward_model = R.RewardModel(types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=64)), PAD)
+    with torch.no_grad():
+        reward_model.reward_gain.fill_(0.1), reward_model.reward_bias.fill_(-3.0)
+        value = policy.value_head(hidden).squeeze(-1)
+        reward = reward_model.reward_gain * reward_model.scalar_head(hidden).squeeze(-1) + reward_model.reward_bias
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            value_bf16, reward_bf16 = policy.value_of(hidden), reward_model.normalized_reward(hidden)
+            assert (policy.value_head(hidden).float() - value).abs().max() > 1e-3  # what bf16 would have given
+    assert value_bf16.dtype == reward_bf16.dtype == torch.float32
+    torch.testing.assert_close(value_bf16, value, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(reward_bf16, reward, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("precision", ["no", "bf16"])
@@ -59,12 +113,12 @@ def test_ppo_ratios_start_at_exactly_1_also_under_bf16(precision):
     with autocast:
         responses = P.generate_responses(policy.lm, contexts, PAD, args)
         query_responses = torch.cat([contexts, responses], 1)
-        logprobs, _, values = P.rollout_logprobs(policy, ref_lm, query_responses, 10, PAD, args)
+        logprobs, _, values = P.rollout_logprobs(policy, ref_lm, query_responses, 10, PAD, 0.7, 8)
         order = torch.randperm(8)  # the first minibatch: the same rows in PPO's shuffled order
         logits, vpred = policy(query_responses[order], 10, PAD, 0.7)
         new_logprobs = P.logprobs_from_logits(logits, responses[order])
-    assert vpred.requires_grad and vpred.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
-    assert torch.equal(new_logprobs, logprobs[order]) and torch.equal(vpred.float(), values[order])
+    assert vpred.requires_grad and vpred.dtype == torch.float32  # the value head is fp32 also under bf16
+    assert torch.equal(new_logprobs, logprobs[order]) and torch.equal(vpred, values[order])
 
 
 def test_reward_loss_under_bf16_stays_within_tolerance_of_fp32():

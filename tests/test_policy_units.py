@@ -454,7 +454,9 @@ def test_a_pad_id_inside_the_models_vocabulary_is_never_sampled_and_has_no_proba
     assert responses.shape == (2, 6) and not (responses == pad_id).any()
     args = P.Args(local_rollout_forward_batch_size=2)
     args.task = P.TaskHParams(response_length=6, truncate_after=1, temperature=0.7)
-    logprobs, ref_logprobs, _ = P.rollout_logprobs(policy, ref_lm, torch.cat([contexts, responses], 1), 4, pad_id, args)
+    logprobs, ref_logprobs, _ = P.rollout_logprobs(
+        policy, ref_lm, torch.cat([contexts, responses], 1), 4, pad_id, 0.7, 2
+    )
     with torch.no_grad():
         logits, _ = policy(torch.cat([contexts, responses], 1), 4, pad_id, 0.7)
         _, entropy = P.logprobs_from_logits(logits, responses, with_entropy=True)
@@ -615,7 +617,10 @@ def test_no_scale_logprobs_takes_the_log_probs_of_the_raw_logits_but_samples_at_
         torch.manual_seed(0)
         responses = P.generate_responses(lm, contexts, pad_id, args)
         query_responses = torch.cat([contexts, responses], 1)
-        results[scale] = (responses, *P.rollout_logprobs(policy, ref_lm, query_responses, 6, pad_id, args))
+        results[scale] = (
+            responses,
+            *P.rollout_logprobs(policy, ref_lm, query_responses, 6, pad_id, 0.7 if scale else 1.0, 4),
+        )
     (responses, logprobs, ref_logprobs, values), raw = results[True], results[False]
     assert torch.equal(raw[0], responses) and torch.equal(raw[3], values)
     query_responses = torch.cat([contexts, responses], 1)
@@ -748,8 +753,8 @@ def test_held_out_queries_keep_every_text_read_for_them_out_of_training(gpt2_tok
 
 
 def test_vocabulary_logits_are_the_heads_on_either_product_orientation():
-    """vocabulary_logits: on a CPU the product as W @ hidden^T copied back to rows, elsewhere hidden @ W^T (the meta
-    device stands in for a GPU: shapes and dtype only): the head's own logits in fp32 for a sampling step's (B, d) and
+    """vocabulary_logits: on a CPU the product as W @ hidden^T copied back to rows, elsewhere hidden @ W^T
+    (head_product; the meta device stands in for a GPU: shapes only): the head's own logits in fp32 for a sampling step's (B, d) and
     the log-probs' (B, T, d), bias included, the pad id's logit masked."""
     head = nn.Linear(16, 40)
     lm = types.SimpleNamespace(get_output_embeddings=lambda: head)
@@ -758,5 +763,5 @@ def test_vocabulary_logits_are_the_heads_on_either_product_orientation():
         expected = head(hidden).index_fill(-1, torch.tensor([7]), P.NEVER_SAMPLED_LOGIT)
         torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
         assert logits.dtype == torch.float32 and logits.is_contiguous()
-    head.to("meta")
-    assert P.vocabulary_logits(lm, torch.randn(2, 5, 16, device="meta"), pad_id=50).shape == (2, 5, 40)
+    rows, weight = torch.randn(6, 16, device="meta"), head.weight.to("meta")
+    assert P.head_product(rows, weight).shape == (6, 40) and P.head_product(rows, weight).is_contiguous()

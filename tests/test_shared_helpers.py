@@ -262,9 +262,9 @@ def test_help_renders(help_outputs, kind, flags):
     for derived in ("--world-size", "--local-batch-size", "--num-updates", "--run-name"):
         assert derived not in stdout, f"derived value {derived} shown in --help"
     # only the flags whose default means "not set" (the output dir, the wandb entity, the Hub repo, the peak FLOPS,
-    # the dataset configuration; the policy's gold labeler and --rewards.function): every other default is its value, and the policy's
+    # the GPU memory, the dataset configuration; the policy's gold labeler and --rewards.function): every other default is its value, and the policy's
     # reward model is (required unless --rewards.function)
-    assert stdout.count("(default: None)") == {"reward": 5, "policy": 7}[kind]
+    assert stdout.count("(default: None)") == {"reward": 6, "policy": 7}[kind]
     assert stdout.count("(required unless --rewards.function)") == {"reward": 0, "policy": 1}[kind]
 
 

@@ -54,3 +54,35 @@ def test_dry_run_from_the_command_line(script, tmp_path):
     result = subprocess.run([sys.executable, str(REPO / script), *bad], capture_output=True, text=True, env=env)
     assert result.returncode != 0
     assert len(result.stderr.strip().splitlines()) == 1 and "batch-size" in result.stderr, result.stderr
+
+
+QUEUE_GPU_GB = {"p4d.24xlarge": 40, "p5.48xlarge": 80}  # A100 40 GB, H100 80 GB
+"""GPU memory per GPU of the instance types benchmark/aws/pcluster.yaml's queues use"""
+
+
+def usage_partition(suite: Path) -> str:
+    """The Slurm queue a suite's usage line sends it to (`#   bash benchmark/X.sh --slurm ... --slurm-partition Q`)."""
+    usage = [line for line in suite.read_text().splitlines() if line.startswith(f"#   bash benchmark/{suite.name}")]
+    (partition,) = {line.split("--slurm-partition ")[1].split()[0] for line in usage if "--slurm-partition" in line}
+    return partition
+
+
+@pytest.mark.parametrize("suite", SUITES, ids=[suite.name for suite in SUITES])
+def test_every_suite_command_fits_the_gpus_of_the_queue_it_names(suite):
+    """The estimated peak memory per process (run_utils.estimate_peak_memory, as --dry-run prints it) of each training
+    command within 90% of a GPU of the queue its usage line names (benchmark/aws/pcluster.yaml): a gpt2 policy at
+    micro-batch 512 in fp32 (~38 GB) does not fit an A100 40 GB. Base models whose config is not here (no
+    download) are left out."""
+    import yaml
+
+    queues = yaml.safe_load((REPO / "benchmark" / "aws" / "pcluster.yaml").read_text())["Scheduling"]["SlurmQueues"]
+    instance = {queue["Name"]: queue["ComputeResources"][0]["InstanceType"] for queue in queues}
+    budget = run_utils.MEMORY_HEADROOM * QUEUE_GPU_GB[instance[usage_partition(suite)]]
+    for argv in benchmark_commands(suite):
+        processes, (script, *flags) = training_script_args(argv)
+        config = next((argv[i + 1] for i, token in enumerate(argv) if token == "--config_file"), None)
+        launch = yaml.safe_load((REPO / config).read_text()) if config else {}
+        zero_stage = launch["deepspeed_config"]["zero_stage"] if launch.get("distributed_type") == "DEEPSPEED" else 0
+        args = run_utils.task_cli(SCRIPTS[Path(script).name].task_defaults, flags)
+        memory = run_utils.estimate_peak_memory(args, processes, zero_stage)
+        assert memory is None or memory["total"] <= budget, (suite.name, usage_partition(suite), argv, memory)

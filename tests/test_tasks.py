@@ -207,7 +207,8 @@ def test_help_shows_the_tasks_defaults(module, task, capsys):
             assert shown[flag] in (str(value), repr(value)), (flag, shown[flag], value)
 
 
-NONE_BY_DESIGN = {"--wandb-entity", "--output-dir", "--peak-tflops", "--hf-repo-id", "--task.query-dataset-config"}
+NONE_BY_DESIGN = {"--wandb-entity", "--output-dir", "--peak-tflops", "--hf-repo-id", "--task.query-dataset-config",
+                  "--gpu-memory-gb"}  # fmt: skip
 """The flags whose default is really None (not set), in both scripts; the policy adds two."""
 
 
@@ -357,7 +358,7 @@ def test_policy_rollout_samples_from_the_contexts_and_scores_the_bare_queries(to
     torch.manual_seed(0)
     responses = P.generate_responses(policy.lm, contexts, PAD, args)
     logprobs, ref_logprobs, _ = P.rollout_logprobs(
-        policy, ref_lm, torch.cat([contexts, responses], 1), contexts.shape[1], PAD, args
+        policy, ref_lm, torch.cat([contexts, responses], 1), contexts.shape[1], PAD, 0.7, 2
     )
     postprocessed, _ = P.score_responses(reward, queries, responses, NEWLINE, args)
     seen = torch.cat(reward.seen)  # 2 chunks

@@ -2,13 +2,19 @@
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmark"))
+import throughput  # noqa: E402
 
 
 def test_throughput_harness_reports_both_stages(gpt2_tokenizer_dir):
@@ -29,6 +35,90 @@ def test_throughput_harness_reports_both_stages(gpt2_tokenizer_dir):
     result = subprocess.run([*command, "--stage", "policy"], capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1])["stage"] == "policy"
+
+
+def accelerate_launcher(processes: int) -> str:
+    """`accelerate launch` for `processes` CPU processes on this machine (with ACCELERATE_USE_CPU=true)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return f"{sys.executable} -m accelerate.commands.launch --multi_gpu --num_processes {processes} --main_process_port {port}"
+
+
+TINY_POLICY = [sys.executable, str(REPO / "benchmark" / "throughput.py"), "--model", "tiny", "--stage", "policy",
+               "--batch-size", "16", "--query-length", "16", "--response-length", "12", "--noptepochs", "1",
+               "--extra=--local-rollout-forward-batch-size 4"]  # fmt: skip
+
+
+def cpu_environment(**more) -> dict:
+    return {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", **more}
+
+
+def test_throughput_runs_on_two_processes(gpt2_tokenizer_dir):
+    """benchmark/gpu/check.sh's zero2 configuration launches throughput.py on every GPU: its whitening ranks follow
+    the processes (a fixed `--ppo.whitening-ranks 1` failed validation on more than one). Its reward model is
+    evaluated on held-out labels, and the line holds the memory estimate of that launch."""
+    command = [*TINY_POLICY, "--updates", "1", f"--launcher={accelerate_launcher(2)}"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=cpu_environment())
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = json.loads(result.stdout.strip().splitlines()[-1])
+    assert line["stage"] == "policy" and line["processes"] == 2 and line["seconds_per_update"] > 0
+    assert line["peak_memory_gb"] > 0 and line["estimated_peak_memory_gb"]["total"] > 0
+
+
+def tagged(tag: str) -> list[int]:
+    """The processes whose environment holds THROUGHPUT_TEST_TAG=tag: what the run started, wherever it went."""
+    pids = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"THROUGHPUT_TEST_TAG={tag}".encode() in environ.read_bytes().split(b"\0"):
+                pids.append(int(environ.parent.name))
+        except OSError:  # gone meanwhile
+            continue
+    return pids
+
+
+def test_a_stopped_or_timed_out_run_leaves_no_process_and_no_temporary_file(gpt2_tokenizer_dir, tmp_path):
+    """SIGTERM once the launcher and its 2 workers run, then --timeout: each time the whole process tree is killed
+    (the workers live in sessions of their own) and the temporary directory is gone."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    command = [*TINY_POLICY, "--updates", "1000", f"--launcher={accelerate_launcher(2)}"]
+    env = cpu_environment(TMPDIR=str(temporary), THROUGHPUT_TEST_TAG=str(tmp_path))
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while len(tagged(str(tmp_path))) < 4 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)  # throughput.py, the launcher, 2 workers
+    assert list(temporary.rglob("corpus.txt")), "the run has its temporary directory"
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 143, stderr[-3000:]
+    assert tagged(str(tmp_path)) == [] and not list(temporary.rglob("corpus.txt"))
+    result = subprocess.run([*command, "--timeout", "20"], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == throughput.TIMED_OUT and "--timeout 20 s" in result.stderr, result.stderr[-3000:]
+    assert tagged(str(tmp_path)) == [] and not list(temporary.rglob("corpus.txt"))
+
+
+def test_mfu_peak_is_measured_in_the_runs_precision():
+    """bf16 when --extra has --mixed-precision bf16, TF32 with --allow-tf32 (and no bf16), fp32 otherwise."""
+    assert throughput.peak_precision("--mixed-precision bf16 --allow-tf32 --compile") == "bf16"
+    assert throughput.peak_precision("--mixed-precision=bf16") == "bf16"
+    assert throughput.peak_precision("--ppo.gradient-accumulation-steps 4 --allow-tf32") == "tf32"
+    assert throughput.peak_precision("--mixed-precision no --allow-tf32") == "tf32"
+    assert throughput.peak_precision("") == throughput.peak_precision("--mixed-precision no") == "fp32"
+    allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+    assert throughput.measure_peak_tflops(torch.device("cpu"), "bf16") > 0
+    assert torch.backends.cuda.matmul.allow_tf32 == allow_tf32  # restored
+
+
+def test_launch_of_counts_the_processes_and_the_zero_stage():
+    assert throughput.launch_of("") == (1, 0)
+    assert throughput.launch_of("accelerate launch --num_processes 4") == (4, 0)
+    zero2 = str(REPO / "benchmark" / "deepspeed_zero2.yaml")
+    assert throughput.launch_of(f"accelerate launch --config_file {zero2}") == (8, 2)  # the file's num_processes
+    launcher = f"python -m accelerate.commands.launch --config_file {zero2} --num_processes 2"
+    assert throughput.launch_of(launcher) == (2, 2)
+    assert throughput.launch_of("torchrun --nnodes 2 --nproc_per_node=4") == (8, 0)
 
 
 def test_optimizations_benchmark_checks_each_pair_and_prints_the_table():

@@ -7,23 +7,25 @@
 # OUT/wheels: the wheels of benchmark/gpu/node-requirements.txt (what the scripts import that a preinstalled PyTorch
 # stack lacks; all pure Python, so one set serves any platform). OUT/gpt2-tokenizer: GPT-2's exact tokenizer, rebuilt
 # from a PyPI wheel (the check builds its models from it; no Hub). Prints the bundle's size and fails above 64 MiB.
-# Then, on the node: BUNDLE=OUT bash benchmark/gpu/check.sh
+# Then, on the node: BUNDLE=OUT bash benchmark/gpu/check.sh (it installs from OUT only what the node lacks, into a
+# directory of its own). PYTHON (default python3) runs pip here.
 set -euo pipefail
 OUT=${1:?usage: bash benchmark/gpu/prepare.sh OUT}
+PYTHON=${PYTHON:-python3}
 PYTHON_VERSION=${PYTHON_VERSION:-3.12}
 LIMIT_MIB=64
 cd "$(dirname "$0")/../.."
 mkdir -p "$OUT/wheels"
-python -m pip download --quiet --no-deps --only-binary=:all: --platform any --python-version "$PYTHON_VERSION" \
+"$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --platform any --python-version "$PYTHON_VERSION" \
     --dest "$OUT/wheels" -r benchmark/gpu/node-requirements.txt
 # OUT/deepspeed: DeepSpeed for check.sh's zero2 configuration. PyPI has only its source: it is built here into a wheel
 # without kernels (DS_BUILD_OPS=0; the build imports this environment's torch), its dependencies downloaded for the
 # node's platform (PLATFORM, default manylinux2014_x86_64).
-DS_BUILD_OPS=0 python -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir "$OUT/deepspeed" \
+DS_BUILD_OPS=0 "$PYTHON" -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir "$OUT/deepspeed" \
     -r requirements-deepspeed.txt
-python -m pip download --quiet --only-binary=:all: --platform "${PLATFORM:-manylinux2014_x86_64}" \
+"$PYTHON" -m pip download --quiet --only-binary=:all: --platform "${PLATFORM:-manylinux2014_x86_64}" \
     --python-version "$PYTHON_VERSION" --dest "$OUT/deepspeed" -r benchmark/gpu/node-deepspeed-requirements.txt
-python - "$OUT" <<'PYTHON'
+"$PYTHON" - "$OUT" <<'PYTHON'
 import shutil, sys
 from pathlib import Path
 
