@@ -75,8 +75,8 @@ PPO_DEFAULTS = dict(gamma=1.0, lam=0.95, cliprange_value=0.2, whiten_rewards=Tru
 SCENARIOS = {
     "details": dict(
         task=dict(query_prefix="The sun", query_suffix=" the bird", start_text=".", end_text="."),
-        policy=dict(nminibatches=4, noptepochs=2, gamma=0.9, lam=0.8, cliprange_value=0.05, lr=3e-4, kl_target=0.9),
-        warm_start=dict(scale=0.02, value_scale=0.2, seed=3),
+        policy=dict(nminibatches=4, noptepochs=2, gamma=0.9, lam=0.8, cliprange_value=0.05, lr=3e-4, kl_target=2.5),
+        warm_start=dict(scale=0.02, value_scale=0.2, eos_scale=0.9, seed=3),
         updates=6,
     ),
     "plain": dict(
@@ -91,6 +91,10 @@ reference (a warm start: KL and values are not 0 at update 1), queries cut at a 
 a prefix and a suffix around them, 4 minibatches and 2 epochs, gamma and lambda not 1 and 0.95, a value clip that
 binds, the KL controller inside its clip range and at its top. `plain`: no truncation and no penalty, no reward
 whitening, a fixed KL coefficient (OpenAI's summarization settings)."""
+SAMPLING_SCENARIO = "details"
+"""The sampler is compared on this scenario's update 1: OpenAI's sampled tokens given to this project's sampler, whose
+log-probs of them (its KV-cached forwards at the sampling temperature, from the warm policy, on padded contexts with
+a prefix and a suffix) must be OpenAI's sampler's."""
 REWARD_SCENARIOS = {
     "padded": dict(task=dict(start_text=".", end_text="."), labels=dict(num_train=512, num_test=64, seed=2)),
 }
@@ -646,10 +650,87 @@ def stage_scenarios(out: Path, openai: OpenAI) -> None:
                                      name)  # fmt: skip
         largest = ", ".join(f"{x:.1e}" for x in comparison["largest_per_update"])
         print(f"scenario {name}, largest relative difference per update: {largest}")
+    compare_sampling(out)
+
+
+def compare_sampling(out: Path) -> None:
+    """OpenAI's sampler and this project's sample_responses: the log-probs of OpenAI's sampled tokens (SAMPLING_SCENARIO,
+    update 1), each side's own sampling path."""
+    name = SAMPLING_SCENARIO
+    rollouts, stage = (
+        np.load(out / "scenarios" / name / "openai_sampled" / "rollouts.npz"),
+        out / "scenarios" / "sampling",
+    )
+    stage.mkdir(parents=True, exist_ok=True)
+    given = {key: rollouts[key][0] for key in ("queries", "responses", "logprobs")}
+    np.savez(stage / "given.npz", **given)
+    ours = sampler_logprobs(
+        out / "assets" / f"warm_policy_{name}", given["queries"], given["responses"], SCENARIOS[name]
+    )
+    difference = float(np.abs(ours - given["logprobs"]).max())
+    (stage / "comparison.json").write_text(json.dumps(dict(largest_difference=difference), indent=1))
+    print(f"sampling: the sampler's log-probs of OpenAI's samples within {difference:.1e} nats of OpenAI's sampler's")
+
+
+def sampler_logprobs(policy_dir: Path, queries: np.ndarray, responses: np.ndarray, scenario: dict) -> np.ndarray:
+    """This project's sample_responses from a policy, on OpenAI's (right-padded) queries in the scenario's contexts
+    (QueryStream.format), made to draw OpenAI's `responses` (draw_tokens replaced): the log-probs its own sampling
+    forwards give those tokens, (B, T)."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import train_policy_accelerate as P
+
+    lm, tokenizer = P.load_pretrained(AutoModelForCausalLM, str(policy_dir)), P.load_tokenizer(str(policy_dir))
+    task, pad_id = SimpleNamespace(**task_settings(scenario)), tokenizer.pad_token_id
+    stream = SimpleNamespace(tokenizer=tokenizer, task=task, pad_id=pad_id)  # what QueryStream.format reads
+    given = torch.from_numpy(queries).long()
+    contexts = P.QueryStream.format(stream, torch.where(given == OPENAI_PAD_ID, pad_id, given))
+    tokens, logprobs, draw = torch.from_numpy(responses).long(), [], P.draw_tokens
+
+    def draw_given(probabilities: torch.Tensor) -> torch.Tensor:
+        step = tokens[:, len(logprobs) : len(logprobs) + 1]  # (B, 1)
+        logprobs.append(probabilities.gather(1, step).log())
+        return step
+
+    P.draw_tokens = draw_given
+    try:
+        P.sample_responses(lm, contexts, pad_id, task.response_length, task.temperature)
+    finally:
+        P.draw_tokens = draw
+    return torch.cat(logprobs, 1).numpy()
+
+
+def openai_query_order(assets: Path, seed: int, batches: int, scenario: Optional[dict] = None) -> np.ndarray:
+    """The queries OpenAI's sampler gives a run whose dataset seed is `seed` (OAI_QUERY_SEED), (batches, B, C) with
+    OpenAI's pad id: the corpus shuffled by random.seed(seed) (benchmark/openai_tf/shim.py), each text cut as OpenAI's
+    dataset cuts it (the scripts' query_from_text, which tests/test_openai_reference.py checks against OpenAI's own
+    cut queries), texts that give no query skipped, the same order in every epoch (tf.data's repeat)."""
+    import itertools
+    import random
+    from types import SimpleNamespace
+
+    import rlhf_data
+    import train_policy_accelerate as P
+
+    texts = [line.strip() for line in (assets / "corpus.txt").read_text().splitlines() if line.strip()]
+    random.seed(seed)
+    random.shuffle(texts)
+    tokenizer, task = P.load_tokenizer(str(assets / "base")), SimpleNamespace(**task_settings(scenario))
+    queries = []
+    for text in texts:
+        tokens = tokenizer.encode(rlhf_data.clean_query_text(text, "sentiment"), add_special_tokens=False)
+        queries += [query] if (query := P.query_from_text(tokenizer, tokens, task, OPENAI_PAD_ID)) else []
+    size = policy_settings(scenario)["batch_size"]
+    return np.array(list(itertools.islice(itertools.cycle(queries), batches * size))).reshape(batches, size, -1)
 
 
 def stage_curves(out: Path, openai: OpenAI, seeds: int, updates: int) -> None:
-    """Free-running runs, `seeds` a side: OpenAI's samples with TensorFlow's RNG, ours with torch's."""
+    """Free-running runs, `seeds` a side: OpenAI's samples with TensorFlow's RNG, ours with torch's; seed k of both
+    sides reads the same queries in the same order (OpenAI's for that seed, given to ours by benchmark/replay.py), so
+    that a seed's two runs differ only by what each side draws itself: samples and minibatch shuffles."""
     assets = out / "assets"
     for seed in range(1, seeds + 1):
         stage = out / "curves" / f"seed_{seed}"
@@ -657,12 +738,15 @@ def stage_curves(out: Path, openai: OpenAI, seeds: int, updates: int) -> None:
             not (stage / "openai" / "policy_stats.jsonl").exists()
             or len(read_jsonl(stage / "openai" / "policy_stats.jsonl")) < updates
         ):
-            config = {"hparams": openai_policy_hparams(assets, updates, seed), "out": str(stage / "openai"),
-                      "dump_rollouts": False}  # fmt: skip
-            openai.run("policy", config, query_seed=seed)  # each seed its own query order, as ours
+            config = {"hparams": openai_policy_hparams(assets, updates, seed), "out": str(stage / "openai")}
+            openai.run("policy", config, query_seed=seed)  # each seed its own query order
         if not (stage / "ours" / "policy").exists():
+            queries = openai_query_order(assets, seed, updates)
+            if not np.array_equal(np.load(stage / "openai" / "rollouts.npz")["queries"], queries):
+                raise SystemExit(f"curves: seed {seed}: OpenAI's queries are not openai_query_order's")
+            np.savez(stage / "queries.npz", queries=queries)
             flags = [*our_policy_flags(assets, updates, seed), "--output-dir", str(stage / "ours")]
-            run_ours("train_policy_accelerate.py", flags, stage / "ours")
+            run_ours("train_policy_accelerate.py", flags, stage / "ours", replay=stage / "queries.npz")
         print(f"curves: seed {seed} of {seeds}", flush=True)
 
 
@@ -695,14 +779,54 @@ def permutation_test(a: np.ndarray, b: np.ndarray, draws: int = 20000) -> float:
     return (hits + 1) / (draws + 1)
 
 
+def paired_test(differences: np.ndarray, draws: int = 20000) -> float:
+    """Two-sided p-value of the mean of paired differences, by random sign flips (no distribution assumed)."""
+    observed, rng = abs(differences.mean()), np.random.RandomState(0)
+    signs = rng.choice([-1.0, 1.0], size=(draws, len(differences)))
+    return float(((np.abs((signs * differences).mean(1)) >= observed - 1e-15).sum() + 1) / (draws + 1))
+
+
+def bootstrap_interval(differences: np.ndarray, draws: int = 20000) -> list[float]:
+    """95% percentile bootstrap interval of the mean of `differences`."""
+    rng = np.random.RandomState(1)
+    means = differences[rng.randint(len(differences), size=(draws, len(differences)))].mean(1)
+    return [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]
+
+
+def holm(p_values: dict) -> dict:
+    """Holm's step-down adjustment of a family of p-values (each seed's quantities are tested together)."""
+    adjusted, running = {}, 0.0
+    for rank, (key, p) in enumerate(sorted(p_values.items(), key=lambda item: item[1])):
+        running = max(running, min(1.0, (len(p_values) - rank) * p))
+        adjusted[key] = running
+    return adjusted
+
+
+DETECTABLE = 2.80
+"""z(0.975) + z(0.80): a mean paired difference this many standard errors from 0 is found 80% of the time at
+p < 0.05 (normal approximation; for 29 degrees of freedom Student's t gives 2.90)."""
+
+
 def curve_tests(data: dict) -> dict:
-    """Per stat: each seed's mean over the last LAST_UPDATES updates, OpenAI's seeds against ours."""
+    """Per stat: each seed's mean over the last LAST_UPDATES updates, OpenAI's seeds against ours: unpaired (a
+    permutation test of the two means) and paired (seed k of both sides read the same queries: a sign-flip test of
+    the mean difference, its bootstrap interval, the smallest difference found 80% of the time, Holm over the
+    stats)."""
     rows = {}
     for key in CURVE_STATS:
         a, b = (data[side][key][:, -LAST_UPDATES:].mean(1) for side in ("openai", "ours"))
         rows[key] = dict(openai_mean=float(a.mean()), openai_std=float(a.std(ddof=1)), ours_mean=float(b.mean()),
                          ours_std=float(b.std(ddof=1)), p=permutation_test(a, b), openai_range=[float(a.min()),
                          float(a.max())], ours_seeds=b.tolist(), openai_seeds=a.tolist())  # fmt: skip
+        if len(a) == len(b):
+            d = b - a
+            rows[key].update(difference=float(d.mean()), difference_ci95=bootstrap_interval(d),
+                             difference_std=float(d.std(ddof=1)), paired_p=paired_test(d),
+                             detectable=float(DETECTABLE * d.std(ddof=1) / np.sqrt(len(d))),
+                             correlation=float(np.corrcoef(a, b)[0, 1]))  # fmt: skip
+    if all("paired_p" in row for row in rows.values()):
+        for key, adjusted in holm({key: row["paired_p"] for key, row in rows.items()}).items():
+            rows[key]["paired_p_holm"] = adjusted
     return rows
 
 
@@ -810,6 +934,13 @@ def write_report(out: Path) -> None:
                      "updates of each seed\n\n" + markdown_table(["quantity", "OpenAI (mean ± sd over seeds)",
                      "ours", "permutation test p"], rows) + f"\n\nSeconds per update (median, first excluded): "
                      f"OpenAI {speed['openai']:.2f}, ours {speed['ours']:.2f}: {speed['ratio']:.1f}x.\n")  # fmt: skip
+        if all("paired_p" in t for t in tests.values()):
+            rows = [[CURVE_STATS[key], f"{t['difference']:+.3g} [{t['difference_ci95'][0]:+.3g}, "
+                     f"{t['difference_ci95'][1]:+.3g}]", f"{t['paired_p']:.2f}", f"{t['paired_p_holm']:.2f}",
+                     f"{t['detectable']:.3g}", f"{t['correlation']:.2f}"] for key, t in tests.items()]  # fmt: skip
+            parts.append("Paired by seed (both sides of a seed read the same queries):\n\n" + markdown_table(
+                ["quantity", "ours − OpenAI [95% bootstrap]", "sign-flip p", "Holm over the 7", "detectable at 80% "
+                 "power", "correlation of the sides"], rows) + "\n")  # fmt: skip
         (out / "curve_tests.json").write_text(json.dumps(dict(tests=tests, seconds=speed), indent=1))
     (out / "side_by_side.md").write_text("\n".join(parts))
     print(
@@ -864,6 +995,11 @@ def write_reference(out: Path, stages) -> None:
     policies += [
         (f"scenario_{name}", out / "scenarios" / name / "forced") for name in SCENARIOS if "scenarios" in stages
     ]
+    if "scenarios" in stages and (out / "scenarios" / "sampling" / "comparison.json").exists():
+        (REFERENCE / "sampling").mkdir(exist_ok=True)
+        given = np.load(out / "scenarios" / "sampling" / "given.npz")
+        np.savez_compressed(REFERENCE / "sampling" / "given.npz", queries=given["queries"].astype(np.int32),
+                            responses=given["responses"].astype(np.int32), logprobs=given["logprobs"])  # fmt: skip
     for name, stage in policies:
         if (stage / "comparison.json").exists():
             target = REFERENCE / name

@@ -28,6 +28,7 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 WORDS = "the a cat dog sat on mat happy sad good bad great terrible house river tree bird sun moon ran saw big small".split()
 TINY_GPT2 = dict(n_layer=2, n_head=4, n_embd=64, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 """The tiny model's shape (GPT-2's vocabulary; 256 positions), without dropout (the training scripts remove it too)."""
+EOS_ID, PERIOD_ID = 50256, 13  # GPT-2's <|endoftext|> and '.'
 GRID = 2.0**-16
 """Every weight of the tiny model is a multiple of this after every training step (module docstring)."""
 
@@ -101,11 +102,13 @@ def write_tiny_gpt2(
 
 
 @torch.no_grad()
-def write_warm_policy(base_dir: Path, directory: Path, scale: float, value_scale: float, seed: int) -> Path:
+def write_warm_policy(base_dir: Path, directory: Path, scale: float, value_scale: float, eos_scale: float,
+                      seed: int) -> Path:  # fmt: skip
     """A policy that starts away from its reference: the base model with every transformer block's matrix moved by
-    N(0, scale) noise and a value head drawn N(0, value_scale), all from numpy's seeded generator and on the GRID, so
-    that it too is the same bytes on every machine (float32 sums of multiples of 2^-16 below 2^8 are exact). Written
-    as train_policy_accelerate.py writes a policy: a causal LM directory and value_head.safetensors."""
+    N(0, scale) noise, EOS's embedding row eos_scale times '.''s, and a value head drawn N(0, value_scale), all from
+    numpy's seeded generator and on the GRID, so that it too is the same bytes on every machine (float32 sums of
+    multiples of 2^-16 below 2^8 are exact). Written as train_policy_accelerate.py writes a policy: a causal LM
+    directory and value_head.safetensors."""
     from safetensors.torch import save_file
 
     rng = np.random.RandomState(seed)
@@ -114,6 +117,10 @@ def write_warm_policy(base_dir: Path, directory: Path, scale: float, value_scale
         if name.startswith("transformer.h.") and param.dim() == 2:  # attention and MLP matrices; not the embeddings
             noise = torch.from_numpy(np.round(rng.normal(0.0, scale, tuple(param.shape)) / GRID) * GRID)
             param.copy_((param.double() + noise).float())
+    # EOS (50256) never occurs in the corpus, so the base model's row for it is 0; here it is the '.' row's, scaled:
+    # the policy then writes EOS mid-response now and then, as GPT-2 does, and must not stop there or treat it as pad
+    embedding = lm.get_input_embeddings().weight  # tied to the LM head
+    embedding[EOS_ID] = torch.round(embedding[PERIOD_ID].double() * eos_scale / GRID).float() * GRID
     weight = np.round(rng.normal(0.0, value_scale, (1, lm.config.n_embd)) / GRID) * GRID
     head = {"weight": torch.from_numpy(weight).float(), "bias": torch.tensor([0.25])}
     lm.save_pretrained(directory)

@@ -32,9 +32,9 @@ REWARD_RTOL = 2e-3  # every step's loss, the normalizations (measured: <= 9.3e-4
 # every stat of update 1 (measured: <= 1.1e-5, and 7.9e-4 of ppo/val/var_explained = -1.1e-4, 9e-8 absolute)
 UPDATE1_RTOL, UPDATE1_ATOL = 2e-4, 1e-7
 TEACHER_RTOL, TEACHER_ATOL = 1e-3, 1e-6  # each of 12 teacher-forced updates (measured: <= 2.9e-4, clip fractions aside)
-# each update of the scenarios (measured: <= 1.5e-4, ppo/loss/policy = -3.5e-3 at update 2 of `details`; `plain` and
-# the padded reward model <= 2.5e-5)
+# each update of the scenarios (measured: <= 9.6e-5 in `details`, <= 2.5e-5 in `plain` and the padded reward model)
 SCENARIO_RTOL, SCENARIO_ATOL = 1e-3, 1e-6
+SAMPLER_ATOL = 5e-4  # the sampler's log-probs of OpenAI's samples, nats (measured: <= 8.4e-5)
 CURVE_Z = 4.0  # the free-running test: |our mean - OpenAI's| in standard errors (a real defect moves it by far more)
 OUR_SEEDS = 2  # free-running seeds run here (of the 10 a side in the side-by-side)
 
@@ -94,19 +94,39 @@ def reward_rows(assets) -> list[dict]:
 
 
 def check_reward(rows: list[dict], ranks: int, name: str = "") -> None:
+    """Both normalizations' mean, std, gain and bias and every step's loss and accuracy against OpenAI's; a failure
+    names the first point, in the run's order, where some differ, and every quantity that differs there."""
     openai = json.loads((REFERENCE / (name or f"reward_ranks_{ranks}") / "openai.json").read_text())
     ours = {row["step"]: row for row in rows if "train/loss" in row}
     num_train = S.labels_of(S.REWARD_SCENARIOS.get(name.removeprefix("reward_")))["num_train"]
     assert len(ours) == len(openai["steps"]) == num_train // S.REWARD["batch_size"]
-    for step in openai["steps"]:
-        mine = ours[step["step"]]
-        assert mine["train/loss"] == pytest.approx(step["loss"], rel=REWARD_RTOL), step
-        assert abs(mine["train/accuracy"] - step["accuracy"]) <= 1 / S.REWARD["batch_size"], step  # one label at most
-    for phase in ("before", "after"):
+    points = []  # (where, [(quantity, ours, OpenAI's, tolerance)]) in the run's order
+
+    def normalization(phase: str):
         row = next(r for r in rows if f"normalization/{phase}/mean" in r)
         mean, std = row[f"normalization/{phase}/mean"], row[f"normalization/{phase}/std"]
-        for key, value in dict(mean=mean, std=std, gain=1 / std, bias=-mean / std).items():
-            assert value == pytest.approx(openai["normalization"][f"{phase}/{key}"], rel=REWARD_RTOL), (phase, key)
+        mine = dict(mean=mean, std=std, gain=1 / std, bias=-mean / std)
+        return (f"normalization {phase}", [(key, value, openai["normalization"][f"{phase}/{key}"],
+                                            dict(rel=REWARD_RTOL)) for key, value in mine.items()])  # fmt: skip
+
+    points.append(normalization("before"))
+    for step in openai["steps"]:
+        mine = ours[step["step"]]
+        points.append((f"step {step['step']}", [("loss", mine["train/loss"], step["loss"], dict(rel=REWARD_RTOL)),
+                       ("accuracy", mine["train/accuracy"], step["accuracy"],
+                        dict(abs=1 / S.REWARD["batch_size"]))]))  # fmt: skip  # accuracy: one label at most
+    points.append(normalization("after"))
+    fail_at_first_difference(points)
+
+
+def fail_at_first_difference(points: list) -> None:
+    for where, quantities in points:
+        differing = [(key, mine, theirs) for key, mine, theirs, tolerance in quantities
+                     if mine != pytest.approx(theirs, **tolerance)]  # fmt: skip
+        if differing:
+            key, mine, theirs = differing[0]
+            pytest.fail(f"{where}: {', '.join(key for key, _, _ in differing)} differ from OpenAI's ({key}: ours "
+                        f"{mine:.7g}, OpenAI's {theirs:.7g})", pytrace=False)  # fmt: skip
 
 
 def test_reward_model_training_matches_openai_one_rank(reward_rows):
@@ -126,17 +146,22 @@ def run_policy(assets: Path, name: str, updates: int, ranks: int, nminibatches: 
 
 
 def check_policy(ours: dict[int, dict], name: str, rtol: float, atol: float, batch_size: int = 0) -> None:
+    """Every stat of every update against OpenAI's; a failure names the first update where some differ, and every
+    stat that differs there."""
     openai = read_jsonl(REFERENCE / name / "openai.jsonl")
     assert sorted(ours) == [row["update"] for row in openai]
     # a clip fraction counts tokens: one whose ratio or value sits on the clip boundary to float rounding counts on
     # one side or the other (measured: 2 of the 1,536 tokens of a teacher-forced update, 0 against 1.3e-3); allowed:
     # one token in each epoch
     one_token_per_epoch = 1 / ((batch_size or S.POLICY["batch_size"]) * S.TASK["response_length"])
+    points = []
     for row in openai:
-        for key in S.POLICY_STATS:
-            mine = ours[row["update"]][S.OUR_NAMES.get(key, key)]
-            absolute = max(atol, one_token_per_epoch) if key.endswith("clipfrac") else atol
-            assert mine == pytest.approx(row[key], rel=rtol, abs=absolute), (row["update"], key)
+        mine = ours[row["update"]]
+        points.append((f"update {row['update']}", [
+            (key, mine[S.OUR_NAMES.get(key, key)], row[key],
+             dict(rel=rtol, abs=max(atol, one_token_per_epoch) if key.endswith("clipfrac") else atol))
+            for key in S.POLICY_STATS]))  # fmt: skip
+    fail_at_first_difference(points)
 
 
 @pytest.mark.parametrize(("ranks", "nminibatches"), S.UPDATE1_CONFIGS)
@@ -196,6 +221,19 @@ def test_policy_scenarios_match_openai(assets, reward_rows, name, tmp_path):
     check_policy(ours, reference, SCENARIO_RTOL, SCENARIO_ATOL, S.policy_settings(scenario)["batch_size"])
 
 
+def test_the_sampler_gives_openais_samples_openais_logprobs(assets):
+    """The sampling loop, which the replayed comparisons replace: made to draw the tokens OpenAI's sampler drew (update
+    1 of the `details` scenario: padded contexts with a prefix and a suffix, from the warm policy, EOS among them),
+    its own KV-cached forwards at the sampling temperature give them OpenAI's sampler's log-probs."""
+    given = np.load(REFERENCE / "sampling" / "given.npz")
+    assert (given["responses"] == 50256).any() and (given["queries"] == S.OPENAI_PAD_ID).any()
+    scenario = S.SCENARIOS[S.SAMPLING_SCENARIO]
+    policy = S.write_warm_policy(assets, S.SAMPLING_SCENARIO)
+    ours = S.sampler_logprobs(policy, given["queries"], given["responses"], scenario)
+    difference = np.abs(ours - given["logprobs"])
+    assert difference.max() < SAMPLER_ATOL, np.unravel_index(difference.argmax(), difference.shape)
+
+
 def test_the_scenarios_exercise_what_they_are_for():
     """OpenAI's recorded numbers take the paths each scenario exists for: were the reference data made again with
     other settings, a path could silently stop being compared."""
@@ -229,25 +267,11 @@ def test_queries_are_cut_at_the_start_and_end_text_as_openais_dataset_cuts_them(
     the order OpenAI's dataset read them (benchmark/openai_tf/shim.py: the corpus shuffled by random.seed(0)), into
     the same queries as OpenAI's pipeline (language/datasets.py tf_dataset: after the first start token, the first
     query_length tokens, up to the last end token; texts without them skipped)."""
-    import random
-    from types import SimpleNamespace
-
-    import rlhf_data
-    import train_policy_accelerate as P
-
-    texts = [line.strip() for line in (assets / "corpus.txt").read_text().splitlines() if line.strip()]
-    random.seed(0)
-    random.shuffle(texts)
-    tokenizer = P.load_tokenizer(str(assets / "base"))
-    task = SimpleNamespace(**S.task_settings(S.SCENARIOS["details"]))
-    ours = []
-    for text in texts:
-        tokens = tokenizer.encode(rlhf_data.clean_query_text(text, "sentiment"), add_special_tokens=False)
-        query = P.query_from_text(tokenizer, tokens, task, S.OPENAI_PAD_ID)
-        ours += [query] if query is not None else []
-    theirs = np.load(REFERENCE / "scenario_details" / "replay.npz")["queries"].reshape(-1, S.TASK["query_length"])
-    assert len(theirs) < len(ours)  # within the first pass over the corpus
-    assert theirs.tolist() == ours[: len(theirs)]
+    theirs = np.load(REFERENCE / "scenario_details" / "replay.npz")["queries"]
+    ours = S.openai_query_order(assets, 0, len(theirs), S.SCENARIOS["details"])
+    assert (theirs == S.OPENAI_PAD_ID).any() and np.array_equal(ours, theirs)
+    theirs = np.load(REFERENCE / "teacher" / "replay.npz")["queries"]  # the base task: the first 8 tokens
+    assert np.array_equal(S.openai_query_order(assets, 0, len(theirs)), theirs)
 
 
 def read_curves(path: Path) -> dict[str, np.ndarray]:
@@ -328,6 +352,23 @@ def test_harness_without_openai_src_skips_with_one_line(tmp_path):
     assert wrong.stderr.strip().splitlines()[-1].startswith(f"error: --openai-src {tmp_path}: expected commit cbfd210")
 
 
+def test_the_mutation_study_covers_every_detail_and_applies_to_the_code():
+    """benchmark/mutations.py has a mutation for every `# detail:` of both scripts, and each of its changes finds
+    its code exactly once (a refactoring that moves the code must move the mutation along)."""
+    import re
+
+    from benchmark import mutations
+
+    details = set()
+    for name in mutations.BOTH:
+        details |= set(re.findall(r"# detail: (.+?) —", (REPO / name).read_text()))
+    assert details <= {mutation.area for mutation in mutations.MUTATIONS}, details
+    for mutation in mutations.MUTATIONS:
+        for name in mutation.files:
+            text = (REPO / name).read_text()
+            assert all(text.count(old) == 1 for old, _ in mutation.edits), (mutation.name, name)
+
+
 def test_replay_fails_when_a_given_draw_is_not_used():
     """A batch, a response set or an epoch's order the script does not take stops the run with one line: the
     comparison would otherwise run on the script's own draws."""
@@ -353,3 +394,14 @@ def test_replay_fails_when_a_given_draw_is_not_used():
     only_queries = Replay([(queries, None)], pad_id=50257)  # the script samples its own responses
     assert only_queries.responses(only_queries.queries(4)) is None
     only_queries.check_all_taken(0, None)
+
+
+def test_the_free_running_report_tests_paired_seeds():
+    """The free-running report's paired statistics on hand-checked numbers: the sign-flip test (6 positive
+    differences: 2 of the 64 sign patterns are as far from 0, p = 1/32), Holm's step-down adjustment, the bootstrap
+    interval of a mean."""
+    assert S.paired_test(np.ones(6)) == pytest.approx(1 / 32, abs=3e-3)
+    assert S.paired_test(np.array([1.0, -1.0, 1.0, -1.0])) == 1.0
+    assert S.holm({"a": 0.01, "b": 0.04, "c": 0.03}) == pytest.approx({"a": 0.03, "c": 0.06, "b": 0.06})
+    low, high = S.bootstrap_interval(np.arange(10.0))
+    assert 2.5 < low < 4.5 < high < 6.5
