@@ -36,6 +36,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+import rlhf_data
 import run_utils
 import train_policy_accelerate
 import train_reward_accelerate
@@ -475,6 +476,17 @@ def prepare_assets(console, args) -> tuple[Path, Path]:
     return base_model.resolve(), corpus.resolve()
 
 
+def held_out_texts(args) -> tuple[list[str], frozenset[str]]:
+    """Every text of --task.query-dataset, and those the policy's gold evaluation keeps out of training
+    (train_policy_accelerate.held_out_queries), for its validated args, loading only the tokenizer."""
+    P, task = train_policy_accelerate, args.task
+    texts = rlhf_data.QueryTexts.of_task(task)
+    with run_utils.flag_errors("--base-model", args.base_model, "cannot load a tokenizer"):
+        tokenizer = P.load_tokenizer(args.base_model)
+    _, _, held_out = P.held_out_queries(texts, tokenizer, task, args.eval_queries)
+    return [texts[i] for i in range(len(texts))], held_out
+
+
 def write_reward_queries(policy_flags: Sequence[str], path: Path) -> tuple[int, int]:
     """The reward model's query texts: the policy's corpus without the policy's held-out texts, as JSON lines.
 
@@ -482,7 +494,7 @@ def write_reward_queries(policy_flags: Sequence[str], path: Path) -> tuple[int, 
     include the held-out queries, and the "held-out" gold score would be measured on queries the reward model has
     seen. The policy script itself says which texts it holds out, for the flags it will run with. Returns (texts
     kept, texts held out)."""
-    texts, held_out = train_policy_accelerate.held_out_texts(script_args(train_policy_accelerate, policy_flags))
+    texts, held_out = held_out_texts(script_args(train_policy_accelerate, policy_flags))
     kept = [text for text in texts if text not in held_out]
     path.write_text("".join(json.dumps({"text": text}) + "\n" for text in kept), encoding="utf-8")
     return len(kept), len(held_out)

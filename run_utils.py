@@ -713,6 +713,19 @@ class Run:
                 raise SystemExit(128 + signum)
 
     # -- work before training (simulated labels), kept when a run is stopped there -------------------------------------
+    def resumable(self, name: str, steps: range, description: str, keep, restore):
+        """The steps of a loop whose work a stop (SIGTERM / Ctrl-C) keeps: a stop between steps keeps `keep()` (this
+        process's work so far) and stops the run; the --resume after it hands that to `restore` and goes on from the
+        step it stopped at. With a progress bar."""
+        saved = self.load_partial(name)
+        if saved is not None:
+            restore(saved)
+        first = saved["next"] if saved is not None else steps.start
+        for step in self.progress(range(first, steps.stop, steps.step), description):
+            if signum := self.stop_requested():  # stop now, keeping what is made
+                self.stop_keeping_partial(name, signum, {**keep(), "next": step})
+            yield step
+
     def stop_keeping_partial(self, name: str, signum: int, process_state: dict) -> NoReturn:
         """Stop (exit 143 / 130) keeping each process's part of the work done so far and its RNG states in
         OUTPUT_DIR/NAME.partial/, which `load_partial` gives back to a --resume."""
@@ -799,16 +812,19 @@ def first_non_finite(per_item: torch.Tensor, sizes: dict[str, int], rank: int) -
     return f", first in {', '.join(parts)} on process {rank}"
 
 
-def reduce_metrics(accelerator, means: dict[str, torch.Tensor], spreads: Optional[dict] = None) -> dict[str, float]:
+def reduce_metrics(accelerator, means: dict[str, torch.Tensor], spreads: Optional[dict] = None,
+                   maxima: Optional[dict] = None) -> dict[str, float]:  # fmt: skip
     """Every metric of a step in one collective: `means` averaged over processes, `spreads` as max - min over them
-    (0 when the processes agree)."""
-    spreads = spreads or {}
+    (0 when the processes agree), `maxima` as their largest."""
+    spreads, maxima = spreads or {}, maxima or {}
     local = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=accelerator.device).reshape(())
-                         for v in [*means.values(), *spreads.values()]])  # fmt: skip
+                         for v in [*means.values(), *spreads.values(), *maxima.values()]])  # fmt: skip
     gathered = accelerator.gather(local[None])  # (processes, metrics)
     mean_values = gathered[:, : len(means)].mean(0).tolist()
-    spread_values = (gathered[:, len(means) :].max(0).values - gathered[:, len(means) :].min(0).values).tolist()
-    return dict(zip([*means, *spreads], mean_values + spread_values, strict=True))
+    spread = gathered[:, len(means) : len(means) + len(spreads)]
+    spread_values = (spread.max(0).values - spread.min(0).values).tolist()
+    max_values = gathered[:, len(means) + len(spreads) :].max(0).values.tolist()
+    return dict(zip([*means, *spreads, *maxima], mean_values + spread_values + max_values, strict=True))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -819,12 +835,13 @@ def ddp_options() -> list:
     return [DistributedDataParallelKwargs(gradient_as_bucket_view=True, broadcast_buffers=False)]
 
 
-def setup_device(accelerator, allow_tf32: bool) -> None:
-    """TF32 matmuls if asked for; a warning for bf16 on a GPU without bf16 units; on CPU, glibc keeps freed large
-    blocks for reuse: it hands every freed block above its mmap threshold (a (B, T, V) logits tensor is tens of MB)
-    back to the kernel, and the next allocation of that size page-faults it in again, zeroed (the math is unchanged;
-    a no-op where glibc is absent)."""
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = allow_tf32
+def setup_device(accelerator, args) -> torch.device:
+    """The run's device, set up: TF32 matmuls if --allow-tf32; on a GPU, warnings for bf16 without bf16 units and for
+    an estimated peak memory above the GPU's; on CPU, glibc keeps freed large blocks for reuse: it hands every freed
+    block above its mmap threshold (a (B, T, V) logits tensor is tens of MB) back to the kernel, and the next
+    allocation of that size page-faults it in again, zeroed (the math is unchanged; a no-op where glibc is absent)."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.allow_tf32
+    warn_if_memory_short(args, accelerator)  # the estimate of --dry-run, against this GPU's memory
     if accelerator.device.type == "cuda" and accelerator.mixed_precision == "bf16":
         capability = torch.cuda.get_device_capability(accelerator.device)
         if capability < (8, 0) and accelerator.is_main_process:  # accelerate allows it: torch emulates bf16 there
@@ -836,16 +853,18 @@ def setup_device(accelerator, allow_tf32: bool) -> None:
         try:
             libc = ctypes.CDLL("libc.so.6")
         except OSError:
-            return
+            return accelerator.device
         libc.mallopt(GLIBC_M_MMAP_THRESHOLD, 2**30)
         libc.mallopt(GLIBC_M_TRIM_THRESHOLD, 2**31 - 1)
+    return accelerator.device
 
 
 class PhaseTimer:
     """Wall time per phase of a step (`time/...` metrics); waits for the GPU so that a phase owns its kernels."""
 
     def __init__(self, device: torch.device):
-        self.device, self.times, self.last = device, {}, time.perf_counter()
+        self.device, self.times, self.start = device, {}, time.perf_counter()
+        self.last = self.start
 
     def __call__(self, phase: str) -> None:
         if self.device.type == "cuda":

@@ -14,7 +14,12 @@ Launch (batch sizes are global: the same flags give the same optimization on any
     accelerate launch --num_processes 8 train_policy_accelerate.py --task.name tldr --rewards.trained-model DIR
     python train_policy_accelerate.py --base-model DIR --rewards.trained-model DIR --task.query-dataset corpus.txt \\
         --ppo.total-episodes 64 --ppo.batch-size 16 --ppo.whitening-ranks 1                 # CPU, no Hub: a smoke run
-Reading order: `main` at the bottom (phases 1-9 of an update), then the helpers it calls, above it in order of use.
+
+Reading order: from here to the end of `main` is the algorithm, in the blog's order: the config, the pipeline both
+scripts share, PPO's own parts, then `main`, whose numbered phases are one update (1-8) and the save (9). Below
+`main`: the machine (input checks, loading, the record of each update, the gold evaluation, saving, speed).
+Shapes, per process: B rollout rows (episodes), C query tokens, C' context tokens (prefix ⊕ query ⊕ suffix), T
+response tokens, V vocabulary, d hidden size, G whitening shares of a minibatch (OpenAI's ranks).
 Outputs in --output-dir: args.json, metrics.jsonl (one row per update, and update 0 with --task.gold-labeler),
 samples.jsonl, TensorBoard events, policy/ (a Hugging Face causal LM directory with its tokenizer) and, with
 --task.gold-labeler, eval_samples.jsonl.
@@ -169,9 +174,9 @@ class Args(run_utils.RunArgs):
     size, or a multiple of it on every process, the same samples: the draws follow the chunks); the policy's and
     the reference's log-prob forwards take the PPO micro-batch's rows, the shapes of the PPO epochs' forwards"""
     compile: bool = False
-    """torch.compile the policy's training forward (PPO epochs); the first update pays the compilation (tens of
-    seconds on a CPU), later ones run the compiled kernels; same math to float rounding (tested on CPU only; refused
-    under DeepSpeed, and with --gradient-checkpointing on several processes)"""
+    """torch.compile the policy's training forward (PPO epochs); the first update pays the compilation, later ones
+    run the compiled kernels; same math to float rounding (tested on CPU only; refused under DeepSpeed, and with
+    --gradient-checkpointing on several processes)"""
     print_sample_output_freq: int = 10
     """print (and save to samples.jsonl) a table of sample responses every this many updates"""
     eval_every: int = 10
@@ -192,40 +197,14 @@ class Args(run_utils.RunArgs):
 RANK_SEED_STRIDE = 100003  # process i samples with seed + i * RANK_SEED_STRIDE (a prime, so streams never collide)
 KL_ERROR_CLIP = 0.2  # OAI AdaptiveKLController clips the proportional error to +-0.2
 MIN_WHITEN_ROWS = 8  # whitening statistics over fewer rows are too noisy (OAI train_policy.py asserts it)
-EVAL_SEED = 1234  # held-out evaluation samples with its own RNG, identical at every evaluation (paired comparison)
-SAMPLE_ROWS = 4  # rows of the sample table printed to the console
-RESUME_MAY_CHANGE = {"local_batch_size", "local_mini_batch_size", "micro_batch_size", "local_whitening_ranks"}
-"""Per-process sizes a resumed run may recompute (the checkpoint's number of processes is checked instead)."""
-
-# OAI's tldr and cnndm (launch.py summarize_tldr_task, summarize_cnndm_task, get_experiments) where they differ from
-# books_task, whose values are the fields' defaults: `--task.name X` makes TASK_OVERRIDES[X] the defaults (flags given
-# still win). OAI's cnndm end_text was '\n', but Hub `cnn_dailymail` joins an article's paragraphs with spaces.
-TLDR_OVERRIDES = {"task.query_dataset": "webis/tldr-17", "task.query_field": "content", "task.passage_rows": 1,
-                  "task.query_length": 500, "task.response_length": 75, "task.query_suffix": "\n\nTL;DR:",
-                  "task.start_text": "", "task.end_text": "", "task.truncate_token": "\n", "task.truncate_after": 55,
-                  "ppo.batch_size": 32, "ppo.lr": 2e-6, "ppo.whiten_rewards": False, "rewards.kl_coef": 0.03,
-                  "rewards.use_adaptive_kl": False}  # fmt: skip
-TASK_OVERRIDES = {
-    "sentiment": {},
-    "descriptiveness": {},
-    "tldr": TLDR_OVERRIDES,
-    "cnndm": {**TLDR_OVERRIDES, "task.query_dataset": "abisee/cnn_dailymail", "task.query_dataset_config": "3.0.0",
-              "task.query_field": "article", "task.query_prefix": "Article:\n\n", "task.temperature": 0.5,
-              "rewards.kl_coef": 0.01},
-}  # fmt: skip
-
-
-def task_defaults(name: Optional[str] = None) -> Args:
-    """Args at OAI's defaults for task `name`: the fields' own (books_task's) with TASK_OVERRIDES[name] on top; a
-    name that is no task (or None) keeps the fields' own, and tyro rejects it."""
-    overrides = {"task.name": name, **TASK_OVERRIDES[name]} if name in TASK_OVERRIDES else {}
-    return run_utils.replace_fields(Args(), overrides)
+WHITEN_EPSILON = 1e-8  # OAI utils/core.py whiten: rsqrt(var + 1e-8)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The pipeline both scripts share, copied verbatim into each (tests/test_shared_helpers.py fails when the copies
 # drift apart): tokens and padding, models without dropout, sampling, truncation, TF-style Adam, the lr schedule,
-# queries, the reward model, the simulated labelers.
+# queries, the reward model's forward, the simulated labelers (the speed substitutions they call are a
+# second shared block, below main).
 # ---------------------------------------------------------------------------------------------------------------------
 NEVER_SAMPLED_LOGIT = -1e9  # the pad id's logit: exp() of it is exactly 0 in fp32, and (unlike -inf) 0 * it is 0
 
@@ -261,11 +240,7 @@ def config_without_dropout(name_or_path: str):
 
 def load_pretrained(model_class, name_or_path: str) -> nn.Module:
     """A pretrained model through the Auto classes, in fp32, with every dropout probability 0 (asserted)."""
-    config = config_without_dropout(name_or_path)
-    # speed: GPT-2's "gelu_new" is the tanh GELU (OAI's gelu) written as 8 tensor operations; torch's fused kernel is
-    # the same function to float rounding in one (forward + backward 3x faster on a CPU; 7% of a GPT-2 PPO epoch)
-    if getattr(config, "activation_function", None) == "gelu_new":
-        config.activation_function = "gelu_pytorch_tanh"
+    config = fused_gelu(config_without_dropout(name_or_path))
     model = model_class.from_pretrained(name_or_path, config=config, dtype=torch.float32)
     for key, value in model.config.to_dict().items():
         assert not (("dropout" in key or "pdrop" in key) and isinstance(value, float) and value), f"config.{key}"
@@ -310,13 +285,6 @@ def vocabulary_logits(lm: nn.Module, hidden: torch.Tensor, pad_id: int) -> torch
     return logits
 
 
-def head_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """rows @ weight^T: (N, d) x (V, d) -> (N, V)."""
-    # speed: on a CPU, W @ rows^T copied back to rows: MKL runs it 1.5x faster than rows @ W^T at a sampling step's
-    # 8 rows, and the PPO step's 192 rows 3% faster forward + backward (docs/speed.md); the same logits to rounding
-    return (weight @ rows.T).T.contiguous() if rows.device.type == "cpu" else rows @ weight.T
-
-
 @torch.no_grad()
 def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, response_length: int, temperature: float,
                      samples_per_context: int = 1):  # fmt: skip
@@ -328,13 +296,10 @@ def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, respons
     attention_mask = contexts != pad_id
     position_ids = attention_mask.cumsum(1) - attention_mask.long()  # as padded_forward: pads don't count
     input_ids, steps = torch.where(attention_mask, contexts, 0), []
-    # the keys and values of every position so far, filled in place by each forward (newer transformers name the
-    # argument `cache`, older ones `past_key_values`)
-    parameters = inspect.signature(lm.base_model.forward).parameters
-    kv_cache = DynamicCache()
-    cache = {"cache" if "cache" in parameters else "past_key_values": kv_cache}
+    kv_cache = DynamicCache()  # the keys and values of every position so far, filled in place by each forward
     for step in range(response_length):
-        output = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **cache)
+        output = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               **cache_argument(lm, kv_cache))  # fmt: skip
         hidden = output.last_hidden_state[:, -1]  # (B, d): the newest position
         if step == 0 and samples_per_context > 1:  # from here on, one row per sample
             kv_cache.batch_repeat_interleave(samples_per_context)
@@ -347,15 +312,6 @@ def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, respons
         input_ids, position_ids = token, position_ids[:, -1:] + 1
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
     return torch.cat(steps, 1)
-
-
-def draw_tokens(probabilities: torch.Tensor) -> torch.Tensor:
-    """One token per row drawn from (B, V) probabilities: (B, 1)."""
-    # one uniform per draw, by inverse CDF: the same distribution as torch.multinomial, which draws an
-    # exponential per vocabulary entry and is ~30x slower on a CPU (docs/speed.md)
-    cdf = probabilities.double().cumsum(-1)  # (B, V)
-    uniform = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # (B, 1)
-    return torch.searchsorted(cdf, uniform, right=True).clamp_max(cdf.shape[1] - 1)
 
 
 def truncate_responses(responses: torch.Tensor, truncate_token_id: int, truncate_after: int, pad_id: int):
@@ -377,7 +333,8 @@ class AdamTensorFlowStyle(torch.optim.Adam):
     # detail: TF-style Adam — PyTorch's update divides by sqrt(v / (1 - b2^t)) + eps, i.e. its effective eps is
     # eps * sqrt(1 - b2^t) (~0.03 eps at t=1), so early updates are larger (blog: ~6x the approxkl early on; OAI
     # utils/core.py minimize: tf.train.AdamOptimizer). The TF step is PyTorch's with eps / sqrt(1 - b2^t) at step t:
-    # set before each step, so that torch's fused kernel makes it in one pass over the weights (3x faster on a CPU)
+    # set before each step, so that torch's fused kernel makes it in one pass over the weights
+    # (docs/speed.md#each-speed-detail-on-its-own)
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-5):
         super().__init__(params, lr=lr, betas=betas, eps=eps, fused=True)
         for group in self.param_groups:
@@ -483,7 +440,8 @@ class QueryStream:
 class RewardModel(nn.Module):
     """A pretrained backbone (no LM head) + a scalar head on the last token's final hidden state, with OAI's
     `reward_gain` / `reward_bias`: r = gain * head(h_last) + bias of query ⊕ response. Queries (B, C), left-padded;
-    responses (B, T) -> rewards (B,), or (B, n, T) -> (B, n): n responses to each query, padded anywhere."""
+    responses (B, T), padded anywhere -> rewards (B,). (The reward script's best-of-n forward reads n responses of
+    each query in one row: BestOfNRewardModel.)"""
 
     def __init__(self, backbone: nn.Module, pad_id: int):
         super().__init__()
@@ -497,15 +455,12 @@ class RewardModel(nn.Module):
         self.reward_bias = nn.Parameter(torch.tensor(0.0))
 
     def forward(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
-        if responses.dim() == 3:  # best-of-n records: each query's tokens through the backbone once, not n times
-            hidden = self.last_hidden_of_responses_sharing_their_query(queries, responses)  # (B, n, d_model)
-        else:
-            # detail: query ⊕ response input — the reward model (like the policy's value head) reads the
-            # concatenation (OAI rewards.py get_rewards_op); the pads of the responses go left
-            query_responses = right_padding_to_left_padding(torch.cat([queries, responses], 1), self.pad_id)
-            # detail: reward from the last token — the hidden state of the last real token, the last column once
-            # left padded (OAI rewards.py TrainedRewardModel)
-            hidden = padded_forward(self.backbone, query_responses, self.pad_id)[:, -1]  # (B, d_model)
+        # detail: query ⊕ response input — the reward model (like the policy's value head) reads the concatenation
+        # (OAI rewards.py get_rewards_op); the pads of the responses go left
+        query_responses = right_padding_to_left_padding(torch.cat([queries, responses], 1), self.pad_id)
+        # detail: reward from the last token — the hidden state of the last real token, the last column once left
+        # padded (OAI rewards.py TrainedRewardModel)
+        hidden = padded_forward(self.backbone, query_responses, self.pad_id)[:, -1]  # (B, d_model)
         return self.normalized_reward(hidden)
 
     def normalized_reward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -513,36 +468,6 @@ class RewardModel(nn.Module):
         autocast."""
         with torch.autocast(hidden.device.type, enabled=False):  # as OAI's: a bf16 output would keep 3 digits
             return self.reward_gain * self.scalar_head(hidden.to(self.reward_gain.dtype)).squeeze(-1) + self.reward_bias
-
-    def last_hidden_of_responses_sharing_their_query(self, queries: torch.Tensor, responses: torch.Tensor):
-        """The hidden state of each query ⊕ response's last real token, the same as from n rows query ⊕ response_i
-        (up to float rounding) from one row [query, response_1, ..., response_n] per query: its attention mask lets
-        response i see the query and itself only, and its positions restart after the query for each response."""
-        (batch, n, length), query_length = responses.shape, queries.shape[1]
-        tokens = torch.cat([queries, responses.flatten(1)], 1)  # (B, L = C + nT)
-        is_token, index = tokens != self.pad_id, torch.arange(tokens.shape[1], device=tokens.device)
-        part = F.pad(index[: n * length] // length + 1, (query_length, 0))  # (L,): 0 the query, i response i
-        sees = (index[None] <= index[:, None]) & ((part[None] == 0) | (part[None] == part[:, None]))  # (L, L)
-        # as padded_forward: no token sees a pad, pads don't advance the positions (a pad sees itself, so that no
-        # softmax row is empty; nothing reads its output)
-        sees = sees & is_token[:, None, :] | torch.eye(len(index), dtype=torch.bool, device=tokens.device)  # (B, L, L)
-        dtype = self.backbone.dtype  # an additive mask: eager and sdpa attention both take it as it is
-        mask = torch.zeros(sees.shape, dtype=dtype, device=tokens.device).masked_fill(~sees, torch.finfo(dtype).min)
-        in_query, in_response = is_token[:, :query_length], is_token[:, query_length:].view(batch, n, length)
-        query_positions = in_query.cumsum(1) - in_query.long()  # (B, C)
-        response_positions = in_query.sum(1)[:, None, None] + in_response.cumsum(2) - in_response.long()  # (B, n, T)
-        hidden = self.backbone(
-            input_ids=torch.where(is_token, tokens, 0),
-            attention_mask=mask[:, None],  # (B, 1, L, L)
-            position_ids=torch.cat([query_positions, response_positions.flatten(1)], 1),
-            use_cache=False,
-        ).last_hidden_state  # (B, L, d_model)
-        last_in_response = length - 1 - in_response.flip(2).int().argmax(2)  # (B, n)
-        last = torch.where(
-            in_response.any(2), query_length + length * torch.arange(n, device=tokens.device) + last_in_response,
-            query_length - 1,  # an empty response: the query's last token
-        )  # fmt: skip
-        return hidden[torch.arange(batch, device=tokens.device)[:, None], last]  # (B, n, d_model)
 
 
 LABELER_PACKAGES = {"sentiment": "vaderSentiment", "descriptiveness": "textblob"}
@@ -573,121 +498,6 @@ def decode(tokenizer, tokens: torch.Tensor) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------------
 # End of the shared pipeline.
 # ---------------------------------------------------------------------------------------------------------------------
-def validate_args(args: Args) -> Args:
-    """Derive every per-process size in one place and reject inconsistent flags before anything is loaded."""
-    run_utils.check_run_args(args)
-    if (args.rewards.trained_model is None) == (args.rewards.function is None):
-        run_utils.fail("give one of --rewards.trained-model (a reward model directory) and --rewards.function")
-    ppo, processes = args.ppo, args.world_size
-    args.local_batch_size = run_utils.exact_div(ppo.batch_size, processes, "--ppo.batch-size / number of processes")
-    args.local_mini_batch_size = run_utils.exact_div(
-        args.local_batch_size, ppo.nminibatches, "--ppo.batch-size / (processes * --ppo.nminibatches)"
-    )
-    args.micro_batch_size = run_utils.exact_div(
-        args.local_mini_batch_size, ppo.gradient_accumulation_steps,
-        "--ppo.batch-size / (processes * --ppo.nminibatches * --ppo.gradient-accumulation-steps)",
-    )  # fmt: skip
-    if args.compile and args.gradient_checkpointing and processes > 1:
-        run_utils.fail("--compile with --gradient-checkpointing on several processes: DDP's graph splitting for "
-                       "compiled models does not handle activation checkpoints (pytorch#104674): drop one of the two")  # fmt: skip
-    if ppo.whitening_ranks < 1 or ppo.whitening_ranks % processes:
-        run_utils.fail(f"--ppo.whitening-ranks {ppo.whitening_ranks} must be a multiple of the {processes} processes")
-    args.local_whitening_ranks = ppo.whitening_ranks // processes
-    share = run_utils.exact_div(ppo.batch_size, ppo.whitening_ranks * ppo.nminibatches,
-                                "--ppo.batch-size / (--ppo.whitening-ranks * --ppo.nminibatches)")  # fmt: skip
-    if ppo.whiten_rewards and share < MIN_WHITEN_ROWS:
-        run_utils.fail(f"--ppo.whiten-rewards needs >= {MIN_WHITEN_ROWS} rows per whitening share of a minibatch, got "
-                       f"{share}: raise --ppo.batch-size or lower --ppo.whitening-ranks / --ppo.nminibatches")  # fmt: skip
-    if not 0 <= args.task.truncate_after < args.task.response_length:
-        run_utils.fail("--task.truncate-after must be >= 0 and < --task.response-length")
-    positive = ("ppo.lr", "ppo.total_episodes", "ppo.noptepochs", "task.query_length", "task.passage_rows",
-                "local_rollout_forward_batch_size", "print_sample_output_freq", "eval_every")  # fmt: skip
-    run_utils.require_positive(args, *positive)
-    if args.task.gold_labeler is not None:
-        run_utils.require_positive(args, "eval_queries", "eval_samples_per_query")
-        package = LABELER_PACKAGES[args.task.gold_labeler]
-        run_utils.require_package(package, package, f"--task.gold-labeler {args.task.gold_labeler}")
-    args.num_updates = math.ceil(ppo.total_episodes / ppo.batch_size)
-    return args
-
-
-def read_inputs(args: Args):
-    """What the run reads, checked before any model loads: the base model's tokenizer (and that it is a causal LM),
-    the reward model directory (and that it reads tokens as the policy writes them), the query texts (they must
-    yield a query), the services of --track / --upload-model. Returns (tokenizer, query texts); a --dry-run fetches
-    nothing from the Hub, and gives None for what it could not check."""
-    task, dry_run = args.task, args.dry_run
-    run_utils.check_services(args)
-    model = run_utils.available(args.base_model, "--base-model", dry_run)
-    query_texts = run_utils.available(task.query_dataset, "--task.query-dataset", dry_run)
-    if not model:
-        return None, None
-    with run_utils.flag_errors("--base-model", args.base_model, "cannot load a tokenizer and model config"):
-        tokenizer, config = load_tokenizer(args.base_model), config_without_dropout(args.base_model)
-    run_utils.require_causal_lm(config, args.base_model, "--base-model")
-    truncate_token_id(tokenizer, task)
-    if args.rewards.function is None:
-        check_reward_model(args.rewards.trained_model, tokenizer)
-    else:
-        RewardFunction(args.rewards.function, tokenizer)  # its module imports, its labeler's package is installed
-    texts = None
-    if query_texts:
-        texts = rlhf_data.QueryTexts.of_task(task)
-        QueryStream(texts, tokenizer, task, tokenizer.pad_token_id, args.seed).next_batch(1)  # yields a query
-    return tokenizer, texts
-
-
-def check_reward_model(directory: str, tokenizer) -> None:
-    """The reward_model/ directory of train_reward_accelerate.py, checked before any model loads: its files, and that
-    it reads tokens exactly as the policy writes them (the vocabulary's fingerprint)."""
-    flag, info_path = "--rewards.trained-model", Path(directory, "reward_model.json")
-    if not Path(directory).is_dir():
-        run_utils.fail(f"{flag} {directory!r}: no such directory")
-    if not info_path.is_file() or not Path(directory, "reward_head.safetensors").is_file():
-        run_utils.fail(
-            f"{flag} {directory!r}: not a reward model directory (no reward_model.json, reward_head.safetensors)"
-        )
-    info = json.loads(info_path.read_text())
-    if info.get("tokenizer_fingerprint") != run_utils.tokenizer_fingerprint(tokenizer):
-        run_utils.fail(
-            f"{flag} {directory!r} was trained with another tokenizer/vocabulary ({info.get('base_model')}) "
-            "than --base-model"
-        )
-
-
-def load_reward_model(directory: str) -> RewardModel:
-    """The reward model of a reward_model/ directory: backbone, scalar head, gain and bias (also for scoring texts
-    outside training: see the README)."""
-    info = json.loads(Path(directory, "reward_model.json").read_text())
-    with run_utils.quiet_load_report():  # its weights file also holds `score.weight`, which AutoModel does not use
-        model = RewardModel(load_pretrained(AutoModel, directory), info["pad_id"])
-    missing, unexpected = model.load_state_dict(load_file(Path(directory, "reward_head.safetensors")), strict=False)
-    assert not unexpected and all(key.startswith("backbone.") for key in missing), (missing, unexpected)
-    return model
-
-
-class RewardFunction(nn.Module):
-    """--rewards.function: a known reward in place of a trained reward model (the paper's direct RL against its mock
-    sentiment reward): scores of the decoded queries and responses, as a reward model's (B,) in float32."""
-
-    def __init__(self, spec: str, tokenizer):
-        super().__init__()
-        self.spec, self.tokenizer, self.pad_id = spec, tokenizer, tokenizer.pad_token_id
-        if spec in LABELER_PACKAGES:
-            package = LABELER_PACKAGES[spec]
-            run_utils.require_package(package, package, f"--rewards.function {spec}")
-            self.function = lambda queries, responses: simulated_labeler_scores(spec, responses)
-        else:
-            self.function = run_utils.import_callable(spec, "--rewards.function")
-
-    def forward(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
-        scores = self.function(decode(self.tokenizer, queries), decode(self.tokenizer, responses))
-        scores = torch.as_tensor(np.asarray(scores, dtype=np.float32), device=responses.device)
-        if scores.shape != (len(responses),):
-            run_utils.fail(
-                f"--rewards.function {self.spec}: returned {tuple(scores.shape)} scores for {len(responses)} responses"
-            )
-        return scores
 
 
 class AdaptiveKLController:
@@ -752,8 +562,8 @@ def lm_logits(lm: nn.Module, query_responses: torch.Tensor, context_length: int,
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool = False):
     """log p(token) under the logits, (B, T); with_entropy: also the entropy of the full distribution, (B, T)."""
     logits = logits.float()
-    # logit - logsumexp: on a CPU, F.log_softmax in fp32 drops the many tiny terms of a 50k-token softmax (~1e-4 nats
-    # off float64 on the side-by-side's task, TensorFlow's kernel 8e-6, this 1e-6: docs/side-by-side.md)
+    # logit - logsumexp, as OAI's (utils/core.py logprobs_from_logits): on a CPU, torch's fp32 log_softmax is less
+    # exact over a 50k-token vocabulary (docs/side-by-side.md)
     log_normalizer = logits.logsumexp(-1)  # (B, T)
     logprobs = logits.gather(2, tokens.unsqueeze(-1)).squeeze(-1) - log_normalizer
     if not with_entropy:
@@ -764,11 +574,14 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, with_entrop
 
 
 @torch.no_grad()
-def generate_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, args: Args) -> torch.Tensor:
-    """Responses to the contexts (prefix ⊕ query ⊕ suffix), in chunks of --local-rollout-forward-batch-size: (B, T)."""
-    chunks = contexts.split(args.local_rollout_forward_batch_size)
-    task = args.task
-    return torch.cat([sample_responses(lm, chunk, pad_id, task.response_length, task.temperature) for chunk in chunks])
+def generate_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, response_length: int, temperature: float,
+                       chunk: int, samples_per_context: int = 1) -> torch.Tensor:  # fmt: skip
+    """Responses to the contexts (prefix ⊕ query ⊕ suffix), `chunk` rows at a time: (B, T), B = contexts x
+    samples_per_context."""
+    chunks = contexts.split(max(chunk // samples_per_context, 1))
+    return torch.cat(
+        [sample_responses(lm, c, pad_id, response_length, temperature, samples_per_context) for c in chunks]
+    )
 
 
 @torch.no_grad()
@@ -790,19 +603,17 @@ def rollout_logprobs(policy: PolicyAndValueWrapper, ref_lm, query_responses, con
 
 
 @torch.no_grad()
-def score_responses(reward_model: RewardModel, queries, responses, truncate_token_id: int, args: Args):
+def score_responses(reward_model: RewardModel, queries, responses, truncate_token_id: int, task: TaskHParams,
+                    chunk: int):  # fmt: skip
     """Post-processed responses and their scores: the reward model reads the bare query ⊕ the truncated response, and
     a response never cut scores --task.penalty-reward-value instead (OAI train_policy.py make_score_fn): (B, T), (B,).
     --task.no-rejection-sampling switches that detail off: every response is scored whole, none is penalized."""
-    postprocessed, has_cut = truncate_responses(
-        responses, truncate_token_id, args.task.truncate_after, reward_model.pad_id
-    )
-    if not args.task.rejection_sampling:
+    postprocessed, has_cut = truncate_responses(responses, truncate_token_id, task.truncate_after, reward_model.pad_id)
+    if not task.rejection_sampling:
         postprocessed, has_cut = responses, torch.ones_like(has_cut)
-    chunk = args.local_rollout_forward_batch_size
     scores = [reward_model(queries[i : i + chunk], postprocessed[i : i + chunk]) for i in range(0, len(queries), chunk)]
     scores = torch.cat(scores).float()
-    return postprocessed, torch.where(has_cut, scores, torch.full_like(scores, args.task.penalty_reward_value))
+    return postprocessed, torch.where(has_cut, scores, torch.full_like(scores, task.penalty_reward_value))
 
 
 def compute_rewards(scores, logprobs, ref_logprobs, kl_coef: float, per_token: bool = True):
@@ -824,7 +635,7 @@ def whiten(values: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
     is whitened per group: biased variance like tf.nn.moments, mean added back if not shift_mean."""
     mean = values.mean((-2, -1), keepdim=True)
     var = values.var((-2, -1), unbiased=False, keepdim=True)
-    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    whitened = (values - mean) * torch.rsqrt(var + WHITEN_EPSILON)
     return whitened + mean if not shift_mean else whitened
 
 
@@ -899,133 +710,229 @@ def share_moments(returns: torch.Tensor, values: torch.Tensor) -> dict:
     return stats
 
 
-def update_stats(accelerator, run, update: int, stats: dict, kl_coef: float, lr: float, args, *, kl, scores,
-                 non_score_reward, logprobs) -> dict:  # fmt: skip
-    """The update's metrics (OAI record_step_stats), each averaged over all micro-batches and processes in one
-    collective, from the PPO epochs' `stats` and the rollout's tensors (by name: kl and non_score_reward have one
-    shape); stops the run, saying where, if a loss is not finite."""
-    rollout_stats = {
-        "objective/kl": kl.sum(1).mean(),
-        "objective/entropy": (-logprobs).sum(1).mean(),
-        "objective/non_score_reward": non_score_reward.sum(1).mean(),
-        "objective/scores": scores.mean(),
-        "objective/score_total": (scores + non_score_reward.sum(1)).mean(),
-    }
-    ppo_stats = {key: torch.stack(items).mean() for key, items in stats.items()}
-    row = run_utils.reduce_metrics(accelerator, {**rollout_stats, **ppo_stats}, {"sync/kl_coef_spread": kl_coef})
-    ppo = args.ppo
-    loop = {"PPO epoch": ppo.noptepochs, "minibatch": ppo.nminibatches, "micro-batch": ppo.gradient_accumulation_steps}
-    where = run_utils.first_non_finite(torch.stack(stats["ppo/loss/total"]), loop, accelerator.process_index)
-    run.stop_if_not_finite(row, update, where)
-    row["objective/kl_coef"], row["ppo/lr"], row["ppo/episode"] = kl_coef, lr, update * ppo.batch_size
-    row["ppo/val/var_explained"] = 1 - row["ppo/val/error"] / max(row["ppo/returns/var"], 1e-8)
-    return row
-
-
-def log_update(run, accelerator, policy, tokenizer, update: int, row: dict, args, *, queries, responses, scores, kl,
-               non_score_reward) -> None:  # fmt: skip
-    """One metrics row (metrics.jsonl, TensorBoard, wandb); every --print-sample-output-freq updates (and the first
-    and last) a table of samples (the queries, post-processed responses and their scores, KL, total reward) and a
-    progress line."""
-    if update % args.print_sample_output_freq == 0 or update == 1 or update == args.num_updates:
-        queries, responses, scores, kl, non_score_reward = (
-            x[:SAMPLE_ROWS] for x in (queries, responses, scores, kl, non_score_reward)
+def main(args: Args) -> None:
+    args = validate_args(args)  # derived sizes, flag checks (this and the other named tooling: below main)
+    tokenizer, texts = read_inputs(args)  # checked before any model loads
+    if args.dry_run:
+        return run_utils.print_dry_run(args, DRY_RUN_SIZES)
+    task, ppo = args.task, args.ppo
+    pad_id, cut_token_id = tokenizer.pad_token_id, truncate_token_id(tokenizer, task)
+    scale = task.temperature if task.scale_logprobs else 1.0  # the log-probs' logits are divided by it
+    accelerator = Accelerator(gradient_accumulation_steps=ppo.gradient_accumulation_steps,
+                              mixed_precision=args.mixed_precision, kwargs_handlers=run_utils.ddp_options())  # fmt: skip
+    run = run_utils.Run(args, accelerator, "policy", RESUME_MAY_CHANGE, step_name="update")  # files, resume, signals
+    if run.finished:
+        return
+    device = run_utils.setup_device(accelerator, args)
+    policy, ref_lm, reward_model = load_models(args, tokenizer, device)
+    optimizer = make_optimizer(policy.parameters(), ppo.lr, ppo.eps, args.use_tensorflow_adam)
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    unwrapped = accelerator.unwrap_model(policy)
+    train_forward = torch.compile(policy) if args.compile else policy  # fixed shapes: compiled once
+    # detail: different seeds for different processes — seed + rank * 100003 (OAI utils/core.py set_mpi_seed)
+    torch.manual_seed(args.seed + accelerator.process_index * RANK_SEED_STRIDE)
+    gold = GoldEvaluation(args, texts, tokenizer, scale) if task.gold_labeler else None  # held-out queries
+    stream = QueryStream(texts, tokenizer, task, pad_id, args.seed, accelerator.process_index,
+                         accelerator.num_processes, exclude=gold.texts if gold else frozenset())  # fmt: skip
+    kl_ctl = FixedKLController(args.rewards.kl_coef)
+    if args.rewards.use_adaptive_kl:
+        kl_ctl = AdaptiveKLController(args.rewards.kl_coef, **vars(args.rewards.adaptive_kl))
+    state = run.resume()  # on --resume: the newest checkpoint's model, optimizer and RNG states; None when fresh
+    if state is not None:
+        stream.load_state(state["process"]["stream"])
+        kl_ctl.value = state["kl_coef"]
+    if gold:  # update 0, the "before" point (or the evaluations of the run resumed)
+        gold.start(run, accelerator, (unwrapped, ref_lm, reward_model), state)
+    for update in run.progress(range(run.start_step + 1, args.num_updates + 1), "PPO"):
+        timer = run_utils.PhaseTimer(device)
+        lr = linear_lr(ppo.lr, update - 1, args.num_updates)  # per update, constant within it
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        kl_coef = kl_ctl.value  # the rewards of this update use the coefficient from before its KL update
+        queries = stream.next_batch(args.local_batch_size).to(device)  # (B, C): what the reward model reads
+        contexts = stream.format(queries)  # (B, C'): prefix ⊕ query ⊕ suffix, what the policy reads (C' = C: books)
+        with accelerator.autocast():  # a no-op unless --mixed-precision bf16
+            # 1. rollout: sample responses, then the log-probs of the policy and of the reference policy and the
+            # values, from one forward each over query ⊕ response
+            responses = generate_responses(unwrapped.lm, contexts, pad_id, task.response_length, task.temperature,
+                                           args.local_rollout_forward_batch_size)  # fmt: skip
+            timer("time/generation")
+            query_responses = torch.cat([contexts, responses], 1)  # (B, C' + T)
+            logprobs, ref_logprobs, values = rollout_logprobs(unwrapped, ref_lm, query_responses, contexts.shape[1],
+                                                              pad_id, scale, args.micro_batch_size)  # fmt: skip
+            timer("time/logprobs")
+            # 2. post-process responses and score them: truncation after the truncate token, and the penalty score
+            # for a response without one after truncate_after
+            postprocessed_responses, scores = score_responses(reward_model, queries, responses, cut_token_id, task,
+                                                              args.local_rollout_forward_batch_size)  # fmt: skip
+        timer("time/scoring")
+        # 3. per-token KL rewards, the score added on the last token
+        kl, non_score_reward, rewards = compute_rewards(
+            scores, logprobs, ref_logprobs, kl_coef, args.rewards.per_token_kl
         )
-        table = {
-            "query": decode(tokenizer, queries),
-            "response": decode(tokenizer, responses),
-            "score": scores.tolist(),
-            "kl": kl.sum(1).tolist(),
-            "total_reward": (scores + non_score_reward.sum(1)).tolist(),
-        }
-        run.samples("samples.jsonl", update, table)  # a table on the console, TensorBoard, wandb; samples.jsonl
-        run.print(
-            f"update {update}/{args.num_updates}: score {row['objective/scores']:.3f} kl {row['objective/kl']:.3f} "
-            f"kl_coef {row['objective/kl_coef']:.4f} approxkl {row['ppo/policy/approxkl']:.4f} "
-            f"{row['elapsed/fps']:.0f} tokens/s"
-        )
-    if update == args.num_updates:
-        row["sync/param_spread"] = run_utils.parameter_spread(accelerator, policy)  # 0: the processes agree
-    run.log({"update": update, "episode": update * args.ppo.batch_size, **row}, update)
+        # 4. PPO epochs; in each minibatch: whiten the rewards, GAE, whiten the advantages, clipped losses, one step
+        # detail: batches and minibatches — a fresh shuffle every epoch, one optimizer step per minibatch, its
+        # micro-batches only accumulate gradients (OAI train_policy.py PPOTrainer.train)
+        stats = {}
+        policy.train()  # dropout is 0 everywhere; train mode only lets --gradient-checkpointing recompute
+        for _ in range(ppo.noptepochs):
+            for share_rows in minibatches(args.local_batch_size, args.local_whitening_ranks, ppo.nminibatches, device):
+                # (G, rows) row ids: whitening and GAE per share of the minibatch, as each of OAI's ranks did
+                advantages, returns = compute_advantages(rewards[share_rows], values[share_rows], ppo)  # (G, rows, T)
+                append_stats(stats, share_moments(returns, values[share_rows]))
+                rows, advantages, returns = share_rows.flatten(), advantages.flatten(0, 1), returns.flatten(0, 1)
+                for micro in torch.arange(len(rows), device=device).split(args.micro_batch_size):  # accumulation
+                    ids = rows[micro]  # rows of the batch; `micro` indexes the minibatch's advantages and returns
+                    with accelerator.accumulate(policy):
+                        logits, vpred = train_forward(query_responses[ids], contexts.shape[1], pad_id, scale)
+                        new_logprobs, entropy = logprobs_from_logits(logits, responses[ids], with_entropy=True)
+                        loss, micro_stats = ppo_losses(new_logprobs, vpred.float(), logprobs[ids], values[ids],
+                                                       advantages[micro], returns[micro], ppo)  # fmt: skip
+                        accelerator.backward(loss)
+                        optimizer.step()
+                        optimizer.zero_grad()
+                    append_stats(stats, {**micro_stats, "ppo/policy/entropy": entropy.mean()})
+        policy.eval()
+        timer("time/ppo_epochs")
+        # 5. statistics: every metric averaged over all micro-batches and processes in one collective, OAI's names
+        rollout = dict(queries=queries, contexts=contexts, responses=postprocessed_responses, scores=scores,
+                       logprobs=logprobs, ref_logprobs=ref_logprobs, non_score_reward=non_score_reward)  # fmt: skip
+        row = record_update(run, update, stats, rollout, timer, args, kl_coef=kl_coef, lr=lr, policy=unwrapped,
+                            tokenizer=tokenizer)  # fmt: skip
+        # 6. adaptive KL: kl_coef moves towards the KL target, from this update's KL averaged over all processes
+        kl_ctl.update(row["objective/kl"], ppo.batch_size)
+        # 7. log: the metrics, with every --eval-every updates the gold evaluation of the held-out queries
+        if gold and (update % args.eval_every == 0 or update == args.num_updates):
+            row.update(gold.evaluate(update))
+        run.log(row, update)
+        # 8. checkpoint: every --checkpoint-every updates, and on SIGTERM / Ctrl-C, after which the run stops
+        run.checkpoint_if_due(update, {"kl_coef": kl_ctl.value, **(gold.state() if gold else {})},
+                              {"stream": stream.state()})  # fmt: skip
+    if gold:
+        gold.summary()
+    # 9. save
+    run.save_result(lambda directory: save_policy(unwrapped, directory, args.base_model))
+    run.close()
 
 
-def timing_stats(run, lm_and_value, timer, update_start: float, contexts, update: int, args: Args) -> dict:
-    """elapsed/* (OAI's fps: response tokens per second of this update), the time/* phases, peak memory and, with
-    --peak-tflops, MFU (per process: the PPO epochs are 3 forwards' worth each, the rollout ~4 forwards)."""
-    ppo, now = args.ppo, time.perf_counter()
-    stats = {
-        "elapsed/time": run.elapsed(),
-        "elapsed/fps": ppo.batch_size * args.task.response_length / (now - update_start),
-        "elapsed/fps_average": update * ppo.batch_size * args.task.response_length / run.elapsed(),
-        **timer.times,
-        "time/peak_memory_gb": run_utils.peak_memory_gb(timer.device),
-    }
-    if args.peak_tflops:  # this process's tokens: contexts ⊕ responses, and the responses that reach the LM head
-        responses = contexts.shape[0] * args.task.response_length
-        forward = run_utils.forward_flops(lm_and_value.lm, contexts.numel() + responses, responses)
-        train = ppo.noptepochs * 3 * forward
-        stats["time/mfu_ppo_epochs"] = run_utils.mfu(train, timer.times["time/ppo_epochs"], args.peak_tflops)
-        # the rollout: generation, the policy's and the reference's forwards, scoring
-        stats["time/mfu_update"] = run_utils.mfu(train + 4 * forward, sum(timer.times.values()), args.peak_tflops)
-    return stats
+# =====================================================================================================================
+# Below: not the algorithm. The machine around it: the tasks' defaults, input checks, loading, the record of each
+# update, the gold evaluation, saving, and the speed substitutions the pipeline calls.
+# =====================================================================================================================
+EVAL_SEED = 1234  # held-out evaluation samples with its own RNG, identical at every evaluation (paired comparison)
+SAMPLE_ROWS = 4  # rows of the sample table printed to the console
+DRY_RUN_SIZES = ("world_size", "local_batch_size", "local_mini_batch_size", "micro_batch_size", "num_updates")
+RESUME_MAY_CHANGE = {"local_batch_size", "local_mini_batch_size", "micro_batch_size", "local_whitening_ranks"}
+"""Per-process sizes a resumed run may recompute (the checkpoint's number of processes is checked instead)."""
 
 
-def held_out_queries(texts, tokenizer, task: TaskHParams, n: int):
-    """The gold evaluation's n queries and contexts: the first of a fixed text order (seed EVAL_SEED); every text read
-    for them is kept out of training (the third value)."""
-    stream = QueryStream(texts, tokenizer, task, tokenizer.pad_token_id, seed=EVAL_SEED, chunk=n)
-    queries = stream.next_batch(n)
-    order = texts.epoch(0, EVAL_SEED, 0, 1)  # the texts the stream took: the first `used`, or all past one epoch
-    read = order if stream.epoch else itertools.islice(order, stream.used)
-    return queries, stream.format(queries), frozenset(read)
+# OAI's tldr and cnndm (launch.py summarize_tldr_task, summarize_cnndm_task, get_experiments) where they differ from
+# books_task, whose values are the fields' defaults: `--task.name X` makes TASK_OVERRIDES[X] the defaults (flags given
+# still win). OAI's cnndm end_text was '\n', but Hub `cnn_dailymail` joins an article's paragraphs with spaces.
+TLDR_OVERRIDES = {"task.query_dataset": "webis/tldr-17", "task.query_field": "content", "task.passage_rows": 1,
+                  "task.query_length": 500, "task.response_length": 75, "task.query_suffix": "\n\nTL;DR:",
+                  "task.start_text": "", "task.end_text": "", "task.truncate_token": "\n", "task.truncate_after": 55,
+                  "ppo.batch_size": 32, "ppo.lr": 2e-6, "ppo.whiten_rewards": False, "rewards.kl_coef": 0.03,
+                  "rewards.use_adaptive_kl": False}  # fmt: skip
+TASK_OVERRIDES = {
+    "sentiment": {},
+    "descriptiveness": {},
+    "tldr": TLDR_OVERRIDES,
+    "cnndm": {**TLDR_OVERRIDES, "task.query_dataset": "abisee/cnn_dailymail", "task.query_dataset_config": "3.0.0",
+              "task.query_field": "article", "task.query_prefix": "Article:\n\n", "task.temperature": 0.5,
+              "rewards.kl_coef": 0.01},
+}  # fmt: skip
 
 
-def held_out_texts(args: Args) -> tuple[list[str], frozenset[str]]:
-    """Every text of --task.query-dataset, and those the gold evaluation keeps out of training (held_out_queries), for
-    validated args, loading only the tokenizer: quickstart.py keeps the latter out of the reward model's labels too."""
-    task = args.task
-    texts = rlhf_data.QueryTexts.of_task(task)
-    with run_utils.flag_errors("--base-model", args.base_model, "cannot load a tokenizer"):
-        tokenizer = load_tokenizer(args.base_model)
-    _, _, held_out = held_out_queries(texts, tokenizer, task, args.eval_queries)
-    return [texts[i] for i in range(len(texts))], held_out
+def task_defaults(name: Optional[str] = None) -> Args:
+    """Args at OAI's defaults for task `name`: the fields' own (books_task's) with TASK_OVERRIDES[name] on top; a
+    name that is no task (or None) keeps the fields' own, and tyro rejects it."""
+    overrides = {"task.name": name, **TASK_OVERRIDES[name]} if name in TASK_OVERRIDES else {}
+    return run_utils.replace_fields(Args(), overrides)
 
 
-@torch.no_grad()
-def evaluate_gold(
-    run, accelerator, policy, ref_lm, reward_model, held_out: tuple, tokenizer, update: int, args
-) -> dict:
-    """Held-out evaluation at `update`: the same queries (`held_out`: their queries and contexts) and sampling seed
-    every time; the learned reward model's score (eval/rm_score, penalty applied) next to the simulated labeler's
-    (eval/gold_score) on the post-processed text, and the KL. Every sample goes to eval_samples.jsonl."""
-    rows = slice(accelerator.process_index, None, accelerator.num_processes)
-    queries, contexts = (x[rows].repeat_interleave(args.eval_samples_per_query, 0).to(accelerator.device)
-                         for x in held_out)  # fmt: skip
-    pad_id, devices = tokenizer.pad_token_id, [accelerator.device] if accelerator.device.type == "cuda" else []
-    with accelerator.autocast():
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(EVAL_SEED + accelerator.process_index)
-            responses = generate_responses(policy.lm, contexts, pad_id, args)
-        query_responses = torch.cat([contexts, responses], 1)
-        scale = args.task.temperature if args.task.scale_logprobs else 1.0
-        logprobs, ref_logprobs, _ = rollout_logprobs(policy, ref_lm, query_responses, contexts.shape[1], pad_id, scale,
-                                                     args.micro_batch_size)  # fmt: skip
-        cut_token_id = truncate_token_id(tokenizer, args.task)
-        postprocessed, scores = score_responses(reward_model, queries, responses, cut_token_id, args)
-    texts = decode(tokenizer, postprocessed)
-    gold = simulated_labeler_scores(args.task.gold_labeler, texts)
-    query_ids = torch.arange(len(held_out[0]))[rows].repeat_interleave(args.eval_samples_per_query).tolist()
-    kl = (logprobs - ref_logprobs).sum(1).tolist()
-    columns = zip(query_ids, decode(tokenizer, queries), texts, gold, scores.tolist(), kl, strict=True)
-    samples = gather_object(
-        [dict(query_index=q, query=t, response=r, gold_score=g, rm_score=s, kl=k) for q, t, r, g, s, k in columns]
+def validate_args(args: Args) -> Args:
+    """Derive every per-process size in one place and reject inconsistent flags before anything is loaded."""
+    run_utils.check_run_args(args)
+    if (args.rewards.trained_model is None) == (args.rewards.function is None):
+        run_utils.fail("give one of --rewards.trained-model (a reward model directory) and --rewards.function")
+    ppo, processes = args.ppo, args.world_size
+    args.local_batch_size = run_utils.exact_div(ppo.batch_size, processes, "--ppo.batch-size / number of processes")
+    args.local_mini_batch_size = run_utils.exact_div(
+        args.local_batch_size, ppo.nminibatches, "--ppo.batch-size / (processes * --ppo.nminibatches)"
     )
-    metrics = {
-        f"eval/{key}": float(np.mean([sample[key] for sample in samples])) for key in ("gold_score", "rm_score", "kl")
-    }
-    run.append_jsonl("eval_samples.jsonl", [dict(update=update, **sample) for sample in samples])
-    run.print(f"update {update}: " + ", ".join(f"{key} {value:.4f}" for key, value in metrics.items()))
-    return metrics
+    args.micro_batch_size = run_utils.exact_div(
+        args.local_mini_batch_size, ppo.gradient_accumulation_steps,
+        "--ppo.batch-size / (processes * --ppo.nminibatches * --ppo.gradient-accumulation-steps)",
+    )  # fmt: skip
+    if args.compile and args.gradient_checkpointing and processes > 1:
+        run_utils.fail(
+            "--compile with --gradient-checkpointing on several processes: DDP's graph splitting for "
+            "compiled models does not handle activation checkpoints (pytorch#104674): drop one of them"
+        )
+    if ppo.whitening_ranks < 1 or ppo.whitening_ranks % processes:
+        run_utils.fail(f"--ppo.whitening-ranks {ppo.whitening_ranks} must be a multiple of the {processes} processes")
+    args.local_whitening_ranks = ppo.whitening_ranks // processes
+    share = run_utils.exact_div(ppo.batch_size, ppo.whitening_ranks * ppo.nminibatches,
+                                "--ppo.batch-size / (--ppo.whitening-ranks * --ppo.nminibatches)")  # fmt: skip
+    if ppo.whiten_rewards and share < MIN_WHITEN_ROWS:
+        run_utils.fail(f"--ppo.whiten-rewards needs >= {MIN_WHITEN_ROWS} rows per whitening share of a minibatch, got "
+                       f"{share}: raise --ppo.batch-size or lower --ppo.whitening-ranks / --ppo.nminibatches")  # fmt: skip
+    if not 0 <= args.task.truncate_after < args.task.response_length:
+        run_utils.fail("--task.truncate-after must be >= 0 and < --task.response-length")
+    positive = ("ppo.lr", "ppo.total_episodes", "ppo.noptepochs", "task.query_length", "task.passage_rows",
+                "local_rollout_forward_batch_size", "print_sample_output_freq", "eval_every")  # fmt: skip
+    run_utils.require_positive(args, *positive)
+    if args.task.gold_labeler is not None:
+        run_utils.require_positive(args, "eval_queries", "eval_samples_per_query")
+        package = LABELER_PACKAGES[args.task.gold_labeler]
+        run_utils.require_package(package, package, f"--task.gold-labeler {args.task.gold_labeler}")
+    args.num_updates = math.ceil(ppo.total_episodes / ppo.batch_size)
+    return args
+
+
+def read_inputs(args: Args):
+    """What the run reads, checked before any model loads: the base model's tokenizer (and that it is a causal LM),
+    the reward model directory (and that it reads tokens as the policy writes them), the query texts (they must
+    yield a query), the services of --track / --upload-model. Returns (tokenizer, query texts); a --dry-run fetches
+    nothing from the Hub, and gives None for what it could not check."""
+    task, dry_run = args.task, args.dry_run
+    run_utils.check_services(args)
+    model = run_utils.available(args.base_model, "--base-model", dry_run)
+    query_texts = run_utils.available(task.query_dataset, "--task.query-dataset", dry_run)
+    if not model:
+        return None, None
+    with run_utils.flag_errors("--base-model", args.base_model, "cannot load a tokenizer and model config"):
+        tokenizer, config = load_tokenizer(args.base_model), config_without_dropout(args.base_model)
+    run_utils.require_causal_lm(config, args.base_model, "--base-model")
+    truncate_token_id(tokenizer, task)
+    if args.rewards.function is None:
+        check_reward_model(args.rewards.trained_model, tokenizer)
+    else:
+        RewardFunction(args.rewards.function, tokenizer)  # its module imports, its labeler's package is installed
+    texts = None
+    if query_texts:
+        texts = rlhf_data.QueryTexts.of_task(task)
+        QueryStream(texts, tokenizer, task, tokenizer.pad_token_id, args.seed).next_batch(1)  # yields a query
+    return tokenizer, texts
+
+
+def check_reward_model(directory: str, tokenizer) -> None:
+    """The reward_model/ directory of train_reward_accelerate.py, checked before any model loads: its files, and that
+    it reads tokens exactly as the policy writes them (the vocabulary's fingerprint)."""
+    flag, info_path = "--rewards.trained-model", Path(directory, "reward_model.json")
+    if not Path(directory).is_dir():
+        run_utils.fail(f"{flag} {directory!r}: no such directory")
+    if not info_path.is_file() or not Path(directory, "reward_head.safetensors").is_file():
+        run_utils.fail(
+            f"{flag} {directory!r}: not a reward model directory (no reward_model.json, reward_head.safetensors)"
+        )
+    info = json.loads(info_path.read_text())
+    if info.get("tokenizer_fingerprint") != run_utils.tokenizer_fingerprint(tokenizer):
+        run_utils.fail(
+            f"{flag} {directory!r} was trained with another tokenizer/vocabulary ({info.get('base_model')}) "
+            "than --base-model"
+        )
 
 
 def load_models(args: Args, tokenizer, device) -> tuple[PolicyAndValueWrapper, nn.Module, nn.Module]:
@@ -1045,6 +952,187 @@ def load_models(args: Args, tokenizer, device) -> tuple[PolicyAndValueWrapper, n
     return policy, ref_lm.requires_grad_(False), reward_model.requires_grad_(False)
 
 
+def load_reward_model(directory: str) -> RewardModel:
+    """The reward model of a reward_model/ directory: backbone, scalar head, gain and bias (also for scoring texts
+    outside training: see the README)."""
+    info = json.loads(Path(directory, "reward_model.json").read_text())
+    with run_utils.quiet_load_report():  # its weights file also holds `score.weight`, which AutoModel does not use
+        model = RewardModel(load_pretrained(AutoModel, directory), info["pad_id"])
+    missing, unexpected = model.load_state_dict(load_file(Path(directory, "reward_head.safetensors")), strict=False)
+    assert not unexpected and all(key.startswith("backbone.") for key in missing), (missing, unexpected)
+    return model
+
+
+class RewardFunction(nn.Module):
+    """--rewards.function: a known reward in place of a trained reward model (the paper's direct RL against its mock
+    sentiment reward): scores of the decoded queries and responses, as a reward model's (B,) in float32."""
+
+    def __init__(self, spec: str, tokenizer):
+        super().__init__()
+        self.spec, self.tokenizer, self.pad_id = spec, tokenizer, tokenizer.pad_token_id
+        if spec in LABELER_PACKAGES:
+            package = LABELER_PACKAGES[spec]
+            run_utils.require_package(package, package, f"--rewards.function {spec}")
+            self.function = lambda queries, responses: simulated_labeler_scores(spec, responses)
+        else:
+            self.function = run_utils.import_callable(spec, "--rewards.function")
+
+    def forward(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        scores = self.function(decode(self.tokenizer, queries), decode(self.tokenizer, responses))
+        scores = torch.as_tensor(np.asarray(scores, dtype=np.float32), device=responses.device)
+        if scores.shape != (len(responses),):
+            run_utils.fail(
+                f"--rewards.function {self.spec}: returned {tuple(scores.shape)} scores for {len(responses)} responses"
+            )
+        return scores
+
+
+def record_update(run, update: int, stats: dict, rollout: dict, timer, args: Args, *, kl_coef: float, lr: float,
+                  policy: PolicyAndValueWrapper, tokenizer) -> dict:  # fmt: skip
+    """The update's metrics row (OAI train_policy.py record_step_stats): the rollout's objective/* (the KL also by
+    the k2 and k3 estimators, as metrics only), the PPO epochs' ppo/* averaged over every micro-batch (approxkl's
+    largest too), all averaged over the processes in one collective; the time and throughput. The run stops, saying
+    where, if a loss is not finite. Every --print-sample-output-freq updates (and the first and last) a table of
+    samples and a progress line; at the last update, the processes' parameter spread."""
+    accelerator, ppo = run.accelerator, args.ppo
+    log_ratio = rollout["ref_logprobs"] - rollout["logprobs"]  # log(p_ref / p_policy) of each sampled token, (B, T)
+    non_score_reward, scores = rollout["non_score_reward"].sum(1), rollout["scores"]
+    rollout_stats = {
+        "objective/kl": -log_ratio.sum(1).mean(),  # k1, OAI's: the KL the penalty uses
+        "objective/kl_k2": (0.5 * log_ratio**2).sum(1).mean(),
+        "objective/kl_k3": (log_ratio.exp() - 1 - log_ratio).sum(1).mean(),
+        "objective/entropy": (-rollout["logprobs"]).sum(1).mean(),
+        "objective/non_score_reward": non_score_reward.mean(),
+        "objective/scores": scores.mean(),
+        "objective/score_total": (scores + non_score_reward).mean(),
+    }
+    ppo_stats = {key: torch.stack(items).mean() for key, items in stats.items()}
+    largest = {"ppo/policy/approxkl_max": torch.stack(stats["ppo/policy/approxkl"]).max()}
+    row = run_utils.reduce_metrics(accelerator, {**rollout_stats, **ppo_stats}, {"sync/kl_coef_spread": kl_coef},
+                                   largest)  # fmt: skip
+    loop = {"PPO epoch": ppo.noptepochs, "minibatch": ppo.nminibatches, "micro-batch": ppo.gradient_accumulation_steps}
+    where = run_utils.first_non_finite(torch.stack(stats["ppo/loss/total"]), loop, accelerator.process_index)
+    run.stop_if_not_finite(row, update, where)
+    episodes = update * ppo.batch_size
+    row = {
+        "update": update,
+        "episode": episodes,
+        **row,
+        "objective/kl_coef": kl_coef,
+        "ppo/lr": lr,
+        "ppo/episode": episodes,
+    }
+    row["ppo/val/var_explained"] = 1 - row["ppo/val/error"] / max(row["ppo/returns/var"], WHITEN_EPSILON)
+    row.update(timing_stats(run, policy.lm, timer, rollout["contexts"], update, args))
+    if update % args.print_sample_output_freq == 0 or update in (1, args.num_updates):
+        table = {
+            "query": decode(tokenizer, rollout["queries"][:SAMPLE_ROWS]),
+            "response": decode(tokenizer, rollout["responses"][:SAMPLE_ROWS]),
+            "score": scores[:SAMPLE_ROWS].tolist(),
+            "kl": (-log_ratio[:SAMPLE_ROWS]).sum(1).tolist(),
+            "total_reward": (scores + non_score_reward)[:SAMPLE_ROWS].tolist(),
+        }
+        run.samples("samples.jsonl", update, table)  # a table on the console, TensorBoard, wandb; samples.jsonl
+        run.print(f"update {update}/{args.num_updates}: score {row['objective/scores']:.3f} kl "
+                  f"{row['objective/kl']:.3f} kl_coef {kl_coef:.4f} approxkl {row['ppo/policy/approxkl']:.4f} "
+                  f"{row['elapsed/fps']:.0f} tokens/s")  # fmt: skip
+    if update == args.num_updates:
+        row["sync/param_spread"] = run_utils.parameter_spread(accelerator, policy)  # 0: the processes agree
+    return row
+
+
+def timing_stats(run, lm, timer, contexts, update: int, args: Args) -> dict:
+    """elapsed/* (OAI's fps: response tokens per second of this update), the time/* phases, peak memory and, with
+    --peak-tflops, MFU (per process: the PPO epochs are 3 forwards' worth each, the rollout ~4 forwards)."""
+    ppo, tokens = args.ppo, args.ppo.batch_size * args.task.response_length  # response tokens of an update
+    stats = {
+        "elapsed/time": run.elapsed(),
+        "elapsed/fps": tokens / (time.perf_counter() - timer.start),
+        "elapsed/fps_average": update * tokens / run.elapsed(),
+        **timer.times,
+        "time/peak_memory_gb": run_utils.peak_memory_gb(timer.device),
+    }
+    if args.peak_tflops:  # this process's tokens: contexts ⊕ responses, and the responses that reach the LM head
+        responses = contexts.shape[0] * args.task.response_length
+        forward = run_utils.forward_flops(lm, contexts.numel() + responses, responses)
+        train = ppo.noptepochs * 3 * forward
+        stats["time/mfu_ppo_epochs"] = run_utils.mfu(train, timer.times["time/ppo_epochs"], args.peak_tflops)
+        # the rollout: generation, the policy's and the reference's forwards, scoring
+        stats["time/mfu_update"] = run_utils.mfu(train + 4 * forward, sum(timer.times.values()), args.peak_tflops)
+    return stats
+
+
+def held_out_queries(texts, tokenizer, task: TaskHParams, n: int):
+    """The gold evaluation's n queries and contexts: the first of a fixed text order (seed EVAL_SEED); every text read
+    for them is kept out of training (the third value)."""
+    stream = QueryStream(texts, tokenizer, task, tokenizer.pad_token_id, seed=EVAL_SEED, chunk=n)
+    queries = stream.next_batch(n)
+    order = texts.epoch(0, EVAL_SEED, 0, 1)  # the texts the stream took: the first `used`, or all past one epoch
+    read = order if stream.epoch else itertools.islice(order, stream.used)
+    return queries, stream.format(queries), frozenset(read)
+
+
+class GoldEvaluation:
+    """--task.gold-labeler: the held-out queries (`texts`, those read for them, are kept out of training), sampled
+    with the same seed at update 0 (the pretrained policy, the "before" point), every --eval-every updates and at the
+    end; the learned reward model's score (eval/rm_score, penalty applied) next to the simulated labeler's
+    (eval/gold_score) on the post-processed text, and the KL. Every sample goes to eval_samples.jsonl."""
+
+    def __init__(self, args: Args, texts, tokenizer, scale: float):
+        self.args, self.tokenizer, self.scale = args, tokenizer, scale
+        self.queries, self.contexts, self.texts = held_out_queries(texts, tokenizer, args.task, args.eval_queries)
+        self.initial, self.last = {}, {}
+
+    def start(self, run, accelerator, models: tuple, state: Optional[dict]) -> None:
+        """The models (policy, reference, reward model) to evaluate; update 0's evaluation, or the resumed run's."""
+        self.run, self.accelerator, self.models = run, accelerator, models
+        if state is not None:
+            self.initial, self.last = state["initial_eval"], state["last_eval"]
+            return
+        self.initial = self.evaluate(0)
+        run.log({"update": 0, "episode": 0, **self.initial}, 0)
+
+    def state(self) -> dict:
+        return {"initial_eval": self.initial, "last_eval": self.last}
+
+    def summary(self) -> None:
+        self.run.print(", ".join(f"{key} {self.initial[key]:.4f} -> {self.last[key]:.4f}" for key in self.initial))
+
+    @torch.no_grad()
+    def evaluate(self, update: int) -> dict:
+        args, task, tokenizer, accelerator = self.args, self.args.task, self.tokenizer, self.accelerator
+        policy, ref_lm, reward_model = self.models
+        rows, samples = slice(accelerator.process_index, None, accelerator.num_processes), args.eval_samples_per_query
+        queries, contexts = (x[rows].to(accelerator.device) for x in (self.queries, self.contexts))
+        queries, pad_id = queries.repeat_interleave(samples, 0), tokenizer.pad_token_id
+        with accelerator.autocast():
+            devices = [accelerator.device] if accelerator.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(EVAL_SEED + accelerator.process_index)
+                responses = generate_responses(policy.lm, contexts, pad_id, task.response_length, task.temperature,
+                                               args.local_rollout_forward_batch_size, samples)  # fmt: skip
+            query_responses = torch.cat([contexts.repeat_interleave(samples, 0), responses], 1)
+            logprobs, ref_logprobs, _ = rollout_logprobs(policy, ref_lm, query_responses, contexts.shape[1], pad_id,
+                                                         self.scale, args.micro_batch_size)  # fmt: skip
+            postprocessed, scores = score_responses(reward_model, queries, responses,
+                                                    truncate_token_id(tokenizer, task), task,
+                                                    args.local_rollout_forward_batch_size)  # fmt: skip
+        texts = decode(tokenizer, postprocessed)
+        gold = simulated_labeler_scores(task.gold_labeler, texts)
+        query_ids = torch.arange(len(self.queries))[rows].repeat_interleave(samples).tolist()
+        kl = (logprobs - ref_logprobs).sum(1).tolist()
+        columns = zip(query_ids, decode(tokenizer, queries), texts, gold, scores.tolist(), kl, strict=True)
+        table = gather_object(
+            [dict(query_index=q, query=t, response=r, gold_score=g, rm_score=s, kl=k) for q, t, r, g, s, k in columns]
+        )
+        metrics = {f"eval/{key}": float(np.mean([sample[key] for sample in table]))
+                   for key in ("gold_score", "rm_score", "kl")}  # fmt: skip
+        self.run.append_jsonl("eval_samples.jsonl", [dict(update=update, **sample) for sample in table])
+        self.run.print(f"update {update}: " + ", ".join(f"{key} {value:.4f}" for key, value in metrics.items()))
+        self.last = metrics
+        return metrics
+
+
 def save_policy(policy: PolicyAndValueWrapper, directory: Path, base_model: str) -> None:
     """policy/: a Hugging Face causal LM with the base model's own tokenizer (pad = EOS, left padding, so that stock
     batched generate() works: our [PAD] id is one past the embedding matrix) and value_head.safetensors."""
@@ -1060,121 +1148,48 @@ def save_policy(policy: PolicyAndValueWrapper, directory: Path, base_model: str)
     )
 
 
-def main(args: Args) -> None:
-    args = validate_args(args)  # derived sizes, flag checks
-    tokenizer, texts = read_inputs(args)  # checked before any model loads
-    if args.dry_run:
-        keys = ("world_size", "local_batch_size", "local_mini_batch_size", "micro_batch_size", "num_updates")
-        return run_utils.print_dry_run(args, keys)
-    task, ppo = args.task, args.ppo
-    pad_id, cut_token_id = tokenizer.pad_token_id, truncate_token_id(tokenizer, task)
-    scale = task.temperature if task.scale_logprobs else 1.0  # the log-probs' logits are divided by it
-    accelerator = Accelerator(
-        gradient_accumulation_steps=ppo.gradient_accumulation_steps,
-        mixed_precision=args.mixed_precision,
-        kwargs_handlers=run_utils.ddp_options(),
-    )
-    run = run_utils.Run(args, accelerator, "policy", RESUME_MAY_CHANGE, step_name="update")  # files, resume, signals
-    if run.finished:
-        return
-    run_utils.setup_device(accelerator, args.allow_tf32)
-    run_utils.warn_if_memory_short(args, accelerator)  # the estimate of --dry-run, against this GPU's memory
-    device = accelerator.device
-    policy, ref_lm, reward_model = load_models(args, tokenizer, device)
-    optimizer = make_optimizer(policy.parameters(), ppo.lr, ppo.eps, args.use_tensorflow_adam)
-    policy, optimizer = accelerator.prepare(policy, optimizer)
-    unwrapped = accelerator.unwrap_model(policy)
-    train_forward = torch.compile(policy) if args.compile else policy  # fixed shapes: compiled once
-    # detail: different seeds for different processes — seed + rank * 100003 (OAI utils/core.py set_mpi_seed)
-    torch.manual_seed(args.seed + accelerator.process_index * RANK_SEED_STRIDE)
-    eval_set, held_out = None, frozenset()
-    if task.gold_labeler is not None:  # held-out queries (and contexts), kept out of training
-        *eval_set, held_out = held_out_queries(texts, tokenizer, task, args.eval_queries)
-    rank, processes = accelerator.process_index, accelerator.num_processes
-    stream = QueryStream(texts, tokenizer, task, pad_id, args.seed, rank, processes, exclude=held_out)
-    kl_ctl = FixedKLController(args.rewards.kl_coef)
-    if args.rewards.use_adaptive_kl:
-        kl_ctl = AdaptiveKLController(args.rewards.kl_coef, **vars(args.rewards.adaptive_kl))
-    state = run.resume()  # on --resume: the newest checkpoint's model, optimizer and RNG states; None when fresh
-    if state is not None:
-        stream.load_state(state["process"]["stream"])
-        kl_ctl.value = state["kl_coef"]
-    initial_eval, last_eval = (state["initial_eval"], state["last_eval"]) if state is not None else ({}, {})
-    if state is None and task.gold_labeler is not None:  # update 0: the pretrained policy, the "before" point
-        initial_eval = last_eval = evaluate_gold(run, accelerator, unwrapped, ref_lm, reward_model, eval_set, tokenizer,
-                                                 0, args)  # fmt: skip
-        run.log({"update": 0, "episode": 0, **initial_eval}, 0)
-    for update in run.progress(range(run.start_step + 1, args.num_updates + 1), "PPO"):
-        update_start, timer = time.perf_counter(), run_utils.PhaseTimer(device)
-        lr = linear_lr(ppo.lr, update - 1, args.num_updates)  # per update, constant within it
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        kl_coef = kl_ctl.value  # the rewards of this update use the coefficient from before its KL update
-        queries = stream.next_batch(args.local_batch_size).to(device)  # (B, C): what the reward model reads
-        contexts = stream.format(queries)  # (B, C'): prefix ⊕ query ⊕ suffix, what the policy reads (C' = C: books)
-        with accelerator.autocast():  # a no-op unless --mixed-precision bf16
-            # 1. rollout: sample responses, then the log-probs of the policy and of the reference policy and the
-            # values, from one forward each over query ⊕ response
-            responses = generate_responses(unwrapped.lm, contexts, pad_id, args)
-            timer("time/generation")
-            query_responses = torch.cat([contexts, responses], 1)  # (B, C' + T)
-            logprobs, ref_logprobs, values = rollout_logprobs(unwrapped, ref_lm, query_responses, contexts.shape[1],
-                                                              pad_id, scale, args.micro_batch_size)  # fmt: skip
-            timer("time/logprobs")
-            # 2. post-process responses and score them: truncation after the truncate token, and the penalty score
-            # for a response without one after truncate_after
-            postprocessed_responses, scores = score_responses(reward_model, queries, responses, cut_token_id, args)
-        timer("time/scoring")
-        # 3. per-token KL rewards, the score added on the last token
-        kl, non_score_reward, rewards = compute_rewards(
-            scores, logprobs, ref_logprobs, kl_coef, args.rewards.per_token_kl
-        )
-        # 4. PPO epochs; in each minibatch: whiten the rewards, GAE, whiten the advantages, clipped losses, one step
-        # detail: batches and minibatches — a fresh shuffle every epoch, one optimizer step per minibatch, its
-        # micro-batches only accumulate gradients (OAI train_policy.py PPOTrainer.train)
-        stats = {}
-        policy.train()  # dropout is 0 everywhere; train mode only lets --gradient-checkpointing recompute
-        for _ in range(ppo.noptepochs):
-            for mini_ids in minibatches(args.local_batch_size, args.local_whitening_ranks, ppo.nminibatches, device):
-                # (G, rows) row ids: whitening and GAE per share of the minibatch, as each of OAI's ranks did
-                advantages, returns = compute_advantages(rewards[mini_ids], values[mini_ids], ppo)  # (G, rows, T)
-                append_stats(stats, share_moments(returns, values[mini_ids]))
-                mini_ids, advantages, returns = mini_ids.flatten(), advantages.flatten(0, 1), returns.flatten(0, 1)
-                for micro in torch.arange(len(mini_ids), device=device).split(args.micro_batch_size):  # accumulation
-                    ids = mini_ids[micro]  # rows of the batch; `micro` indexes the minibatch's advantages and returns
-                    with accelerator.accumulate(policy):
-                        logits, vpred = train_forward(query_responses[ids], contexts.shape[1], pad_id, scale)
-                        new_logprobs, entropy = logprobs_from_logits(logits, responses[ids], with_entropy=True)
-                        loss, micro_stats = ppo_losses(new_logprobs, vpred.float(), logprobs[ids], values[ids],
-                                                       advantages[micro], returns[micro], ppo)  # fmt: skip
-                        accelerator.backward(loss)
-                        optimizer.step()
-                        optimizer.zero_grad()
-                    append_stats(stats, {**micro_stats, "ppo/policy/entropy": entropy.mean()})
-        policy.eval()
-        timer("time/ppo_epochs")
-        # 5. statistics: every metric averaged over all micro-batches and processes in one collective; the timing
-        row = update_stats(accelerator, run, update, stats, kl_coef, lr, args, kl=kl, scores=scores,
-                           non_score_reward=non_score_reward, logprobs=logprobs)  # fmt: skip
-        row.update(timing_stats(run, unwrapped, timer, update_start, contexts, update, args))
-        # 6. adaptive KL: kl_coef moves towards the KL target, from this update's KL averaged over all processes
-        kl_ctl.update(row["objective/kl"], ppo.batch_size)
-        # 7. log: the metrics, every --eval-every updates the gold evaluation, every few updates a sample table
-        if task.gold_labeler is not None and (update % args.eval_every == 0 or update == args.num_updates):
-            last_eval = evaluate_gold(
-                run, accelerator, unwrapped, ref_lm, reward_model, eval_set, tokenizer, update, args
-            )
-            row.update(last_eval)
-        log_update(run, accelerator, policy, tokenizer, update, row, args, queries=queries,
-                   responses=postprocessed_responses, scores=scores, kl=kl, non_score_reward=non_score_reward)  # fmt: skip
-        # 8. checkpoint: every --checkpoint-every updates, and on SIGTERM / Ctrl-C, after which the run stops
-        run_state = {"kl_coef": kl_ctl.value, "initial_eval": initial_eval, "last_eval": last_eval}
-        run.checkpoint_if_due(update, run_state, {"stream": stream.state()})
-    if initial_eval:
-        run.print(", ".join(f"{key} {initial_eval[key]:.4f} -> {last_eval[key]:.4f}" for key in initial_eval))
-    # 9. save
-    run.save_result(lambda directory: save_policy(unwrapped, directory, args.base_model))
-    run.close()
+# ---------------------------------------------------------------------------------------------------------------------
+# Speed substitutions the shared pipeline calls, copied verbatim into each script (tests/test_shared_helpers.py):
+# each computes what its plain form (the comment that opens its body) computes, to float rounding, in less time;
+# docs/speed.md has the measurements.
+# ---------------------------------------------------------------------------------------------------------------------
+def head_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows @ weight^T: (N, d) x (V, d) -> (N, V). On a CPU as W @ rows^T copied back to rows, which MKL runs faster
+    (docs/speed.md#each-speed-detail-on-its-own)."""
+    # plain form: return rows @ weight.T
+    return (weight @ rows.T).T.contiguous() if rows.device.type == "cpu" else rows @ weight.T
+
+
+def draw_tokens(probabilities: torch.Tensor) -> torch.Tensor:
+    """One token per row drawn from (B, V) probabilities: (B, 1). By inverse CDF, one uniform per draw: the same
+    distribution as torch.multinomial, which draws an exponential per vocabulary entry
+    (docs/speed.md#sampling-the-scripts-loop-against-generate)."""
+    # plain form: return torch.multinomial(probabilities, 1)
+    cdf = probabilities.double().cumsum(-1)  # (B, V)
+    uniform = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # (B, 1)
+    return torch.searchsorted(cdf, uniform, right=True).clamp_max(cdf.shape[1] - 1)
+
+
+def fused_gelu(config):
+    """The config with GPT-2's "gelu_new" (the tanh GELU, OAI's gelu, written as 8 tensor operations) replaced by
+    torch's fused kernel of the same function (docs/speed.md#each-speed-detail-on-its-own)."""
+    # plain form: return config
+    if getattr(config, "activation_function", None) == "gelu_new":
+        config.activation_function = "gelu_pytorch_tanh"
+    return config
+
+
+def cache_argument(lm: nn.Module, kv_cache) -> dict:
+    """The KV cache as the keyword lm.base_model's forward takes it: newer transformers name it `cache`, older ones
+    (those the GPU nodes may have preinstalled) `past_key_values`."""
+    # plain form: return {"past_key_values": kv_cache}
+    parameters = inspect.signature(lm.base_model.forward).parameters
+    return {"cache" if "cache" in parameters else "past_key_values": kv_cache}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# End of the speed substitutions.
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 if __name__ == "__main__":

@@ -13,7 +13,10 @@ Launch (batch sizes are global: the same flags give the same optimization on any
     python train_reward_accelerate.py --base-model DIR --task.query-dataset corpus.txt --labels.source sentiment \\
         --labels.num-train 64 --labels.simulated-num-test 32 --batch-size 8 --rollout-batch-size 16 \\
         --normalize-samples 16                                                            # CPU, no Hub: a smoke run
-Reading order: `main` at the bottom (phases 1-6), then the helpers it calls, which sit above it in the order of use.
+Reading order: from here to the end of `main` is the algorithm: the config, the pipeline both scripts share, the
+reward model's own parts, then `main` with its numbered phases (1-6). Below `main`: the machine (input checks,
+loading, the record of each step, saving, speed). Shapes, per process: B label records, n = 4 samples of a record, C
+query tokens, T response tokens, L = C + nT tokens of a record's one row, d hidden size.
 Outputs in --output-dir: args.json, metrics.jsonl, TensorBoard events, reward_model/ (read by
 train_policy_accelerate.py via --rewards.trained-model) and labels.json when the labels are simulated.
 """
@@ -136,42 +139,18 @@ class Args(run_utils.RunArgs):
     num_updates: tyro.conf.Suppress[Optional[int]] = None
 
 
-OPENAI_PAD_ID = 50259  # OAI's label files pad queries and samples with this id (one past GPT-2's 50257 + 2)
+OPENAI_PAD_ID = (
+    50259  # OAI's pad id for GPT-2's encoding (language/encodings.py: len(encoder) + 2); its label files use it
+)
 RANK_SEED_STRIDE = 100003  # process i samples with seed + i * RANK_SEED_STRIDE (a prime, so streams never collide)
 NUM_SAMPLES = 4  # best-of-4
-SAMPLE_ROWS = 4  # rows of the sample table printed to the console
-RESUME_MAY_CHANGE = {"local_batch_size", "micro_batch_size", "local_rollout_batch_size", "local_eval_batch_size"}
-"""Per-process sizes a resumed run may recompute (the checkpoint's number of processes is checked instead)."""
-
-# OAI's tldr and cnndm (launch.py summarize_tldr_task, summarize_cnndm_task, get_experiments) where they differ from
-# books_task, whose values are the fields' defaults: `--task.name X` makes TASK_OVERRIDES[X] the defaults (flags given
-# still win). OAI's cnndm end_text was '\n', but Hub `cnn_dailymail` joins an article's paragraphs with spaces.
-TLDR_OVERRIDES = {"task.query_dataset": "webis/tldr-17", "task.query_field": "content", "task.passage_rows": 1,
-                  "task.query_length": 500, "task.response_length": 75, "task.query_suffix": "\n\nTL;DR:",
-                  "task.start_text": "", "task.end_text": "", "task.truncate_token": "\n", "task.truncate_after": 55,
-                  "label_dataset": "tldr/online_45k.json", "labels.num_train": 46000, "batch_size": 16, "lr": 2.5e-5,
-                  "rollout_batch_size": 128}  # fmt: skip
-TASK_OVERRIDES = {
-    "sentiment": {},
-    "descriptiveness": {"label_dataset": "descriptiveness/offline_5k.json"},
-    "tldr": TLDR_OVERRIDES,
-    "cnndm": {**TLDR_OVERRIDES, "task.query_dataset": "abisee/cnn_dailymail", "task.query_dataset_config": "3.0.0",
-              "task.query_field": "article", "task.query_prefix": "Article:\n\n", "task.temperature": 0.5,
-              "label_dataset": "cnndm/online_45k.json"},
-}  # fmt: skip
-
-
-def task_defaults(name: Optional[str] = None) -> Args:
-    """Args at OAI's defaults for task `name`: the fields' own (books_task's) with TASK_OVERRIDES[name] on top; a
-    name that is no task (or None) keeps the fields' own, and tyro rejects it."""
-    overrides = {"task.name": name, **TASK_OVERRIDES[name]} if name in TASK_OVERRIDES else {}
-    return run_utils.replace_fields(Args(), overrides)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The pipeline both scripts share, copied verbatim into each (tests/test_shared_helpers.py fails when the copies
 # drift apart): tokens and padding, models without dropout, sampling, truncation, TF-style Adam, the lr schedule,
-# queries, the reward model, the simulated labelers.
+# queries, the reward model's forward, the simulated labelers (the speed substitutions they call are a
+# second shared block, below main).
 # ---------------------------------------------------------------------------------------------------------------------
 NEVER_SAMPLED_LOGIT = -1e9  # the pad id's logit: exp() of it is exactly 0 in fp32, and (unlike -inf) 0 * it is 0
 
@@ -207,11 +186,7 @@ def config_without_dropout(name_or_path: str):
 
 def load_pretrained(model_class, name_or_path: str) -> nn.Module:
     """A pretrained model through the Auto classes, in fp32, with every dropout probability 0 (asserted)."""
-    config = config_without_dropout(name_or_path)
-    # speed: GPT-2's "gelu_new" is the tanh GELU (OAI's gelu) written as 8 tensor operations; torch's fused kernel is
-    # the same function to float rounding in one (forward + backward 3x faster on a CPU; 7% of a GPT-2 PPO epoch)
-    if getattr(config, "activation_function", None) == "gelu_new":
-        config.activation_function = "gelu_pytorch_tanh"
+    config = fused_gelu(config_without_dropout(name_or_path))
     model = model_class.from_pretrained(name_or_path, config=config, dtype=torch.float32)
     for key, value in model.config.to_dict().items():
         assert not (("dropout" in key or "pdrop" in key) and isinstance(value, float) and value), f"config.{key}"
@@ -256,13 +231,6 @@ def vocabulary_logits(lm: nn.Module, hidden: torch.Tensor, pad_id: int) -> torch
     return logits
 
 
-def head_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """rows @ weight^T: (N, d) x (V, d) -> (N, V)."""
-    # speed: on a CPU, W @ rows^T copied back to rows: MKL runs it 1.5x faster than rows @ W^T at a sampling step's
-    # 8 rows, and the PPO step's 192 rows 3% faster forward + backward (docs/speed.md); the same logits to rounding
-    return (weight @ rows.T).T.contiguous() if rows.device.type == "cpu" else rows @ weight.T
-
-
 @torch.no_grad()
 def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, response_length: int, temperature: float,
                      samples_per_context: int = 1):  # fmt: skip
@@ -274,13 +242,10 @@ def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, respons
     attention_mask = contexts != pad_id
     position_ids = attention_mask.cumsum(1) - attention_mask.long()  # as padded_forward: pads don't count
     input_ids, steps = torch.where(attention_mask, contexts, 0), []
-    # the keys and values of every position so far, filled in place by each forward (newer transformers name the
-    # argument `cache`, older ones `past_key_values`)
-    parameters = inspect.signature(lm.base_model.forward).parameters
-    kv_cache = DynamicCache()
-    cache = {"cache" if "cache" in parameters else "past_key_values": kv_cache}
+    kv_cache = DynamicCache()  # the keys and values of every position so far, filled in place by each forward
     for step in range(response_length):
-        output = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **cache)
+        output = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               **cache_argument(lm, kv_cache))  # fmt: skip
         hidden = output.last_hidden_state[:, -1]  # (B, d): the newest position
         if step == 0 and samples_per_context > 1:  # from here on, one row per sample
             kv_cache.batch_repeat_interleave(samples_per_context)
@@ -293,15 +258,6 @@ def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, respons
         input_ids, position_ids = token, position_ids[:, -1:] + 1
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
     return torch.cat(steps, 1)
-
-
-def draw_tokens(probabilities: torch.Tensor) -> torch.Tensor:
-    """One token per row drawn from (B, V) probabilities: (B, 1)."""
-    # one uniform per draw, by inverse CDF: the same distribution as torch.multinomial, which draws an
-    # exponential per vocabulary entry and is ~30x slower on a CPU (docs/speed.md)
-    cdf = probabilities.double().cumsum(-1)  # (B, V)
-    uniform = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # (B, 1)
-    return torch.searchsorted(cdf, uniform, right=True).clamp_max(cdf.shape[1] - 1)
 
 
 def truncate_responses(responses: torch.Tensor, truncate_token_id: int, truncate_after: int, pad_id: int):
@@ -323,7 +279,8 @@ class AdamTensorFlowStyle(torch.optim.Adam):
     # detail: TF-style Adam — PyTorch's update divides by sqrt(v / (1 - b2^t)) + eps, i.e. its effective eps is
     # eps * sqrt(1 - b2^t) (~0.03 eps at t=1), so early updates are larger (blog: ~6x the approxkl early on; OAI
     # utils/core.py minimize: tf.train.AdamOptimizer). The TF step is PyTorch's with eps / sqrt(1 - b2^t) at step t:
-    # set before each step, so that torch's fused kernel makes it in one pass over the weights (3x faster on a CPU)
+    # set before each step, so that torch's fused kernel makes it in one pass over the weights
+    # (docs/speed.md#each-speed-detail-on-its-own)
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-5):
         super().__init__(params, lr=lr, betas=betas, eps=eps, fused=True)
         for group in self.param_groups:
@@ -429,7 +386,8 @@ class QueryStream:
 class RewardModel(nn.Module):
     """A pretrained backbone (no LM head) + a scalar head on the last token's final hidden state, with OAI's
     `reward_gain` / `reward_bias`: r = gain * head(h_last) + bias of query ⊕ response. Queries (B, C), left-padded;
-    responses (B, T) -> rewards (B,), or (B, n, T) -> (B, n): n responses to each query, padded anywhere."""
+    responses (B, T), padded anywhere -> rewards (B,). (The reward script's best-of-n forward reads n responses of
+    each query in one row: BestOfNRewardModel.)"""
 
     def __init__(self, backbone: nn.Module, pad_id: int):
         super().__init__()
@@ -443,15 +401,12 @@ class RewardModel(nn.Module):
         self.reward_bias = nn.Parameter(torch.tensor(0.0))
 
     def forward(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
-        if responses.dim() == 3:  # best-of-n records: each query's tokens through the backbone once, not n times
-            hidden = self.last_hidden_of_responses_sharing_their_query(queries, responses)  # (B, n, d_model)
-        else:
-            # detail: query ⊕ response input — the reward model (like the policy's value head) reads the
-            # concatenation (OAI rewards.py get_rewards_op); the pads of the responses go left
-            query_responses = right_padding_to_left_padding(torch.cat([queries, responses], 1), self.pad_id)
-            # detail: reward from the last token — the hidden state of the last real token, the last column once
-            # left padded (OAI rewards.py TrainedRewardModel)
-            hidden = padded_forward(self.backbone, query_responses, self.pad_id)[:, -1]  # (B, d_model)
+        # detail: query ⊕ response input — the reward model (like the policy's value head) reads the concatenation
+        # (OAI rewards.py get_rewards_op); the pads of the responses go left
+        query_responses = right_padding_to_left_padding(torch.cat([queries, responses], 1), self.pad_id)
+        # detail: reward from the last token — the hidden state of the last real token, the last column once left
+        # padded (OAI rewards.py TrainedRewardModel)
+        hidden = padded_forward(self.backbone, query_responses, self.pad_id)[:, -1]  # (B, d_model)
         return self.normalized_reward(hidden)
 
     def normalized_reward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -459,36 +414,6 @@ class RewardModel(nn.Module):
         autocast."""
         with torch.autocast(hidden.device.type, enabled=False):  # as OAI's: a bf16 output would keep 3 digits
             return self.reward_gain * self.scalar_head(hidden.to(self.reward_gain.dtype)).squeeze(-1) + self.reward_bias
-
-    def last_hidden_of_responses_sharing_their_query(self, queries: torch.Tensor, responses: torch.Tensor):
-        """The hidden state of each query ⊕ response's last real token, the same as from n rows query ⊕ response_i
-        (up to float rounding) from one row [query, response_1, ..., response_n] per query: its attention mask lets
-        response i see the query and itself only, and its positions restart after the query for each response."""
-        (batch, n, length), query_length = responses.shape, queries.shape[1]
-        tokens = torch.cat([queries, responses.flatten(1)], 1)  # (B, L = C + nT)
-        is_token, index = tokens != self.pad_id, torch.arange(tokens.shape[1], device=tokens.device)
-        part = F.pad(index[: n * length] // length + 1, (query_length, 0))  # (L,): 0 the query, i response i
-        sees = (index[None] <= index[:, None]) & ((part[None] == 0) | (part[None] == part[:, None]))  # (L, L)
-        # as padded_forward: no token sees a pad, pads don't advance the positions (a pad sees itself, so that no
-        # softmax row is empty; nothing reads its output)
-        sees = sees & is_token[:, None, :] | torch.eye(len(index), dtype=torch.bool, device=tokens.device)  # (B, L, L)
-        dtype = self.backbone.dtype  # an additive mask: eager and sdpa attention both take it as it is
-        mask = torch.zeros(sees.shape, dtype=dtype, device=tokens.device).masked_fill(~sees, torch.finfo(dtype).min)
-        in_query, in_response = is_token[:, :query_length], is_token[:, query_length:].view(batch, n, length)
-        query_positions = in_query.cumsum(1) - in_query.long()  # (B, C)
-        response_positions = in_query.sum(1)[:, None, None] + in_response.cumsum(2) - in_response.long()  # (B, n, T)
-        hidden = self.backbone(
-            input_ids=torch.where(is_token, tokens, 0),
-            attention_mask=mask[:, None],  # (B, 1, L, L)
-            position_ids=torch.cat([query_positions, response_positions.flatten(1)], 1),
-            use_cache=False,
-        ).last_hidden_state  # (B, L, d_model)
-        last_in_response = length - 1 - in_response.flip(2).int().argmax(2)  # (B, n)
-        last = torch.where(
-            in_response.any(2), query_length + length * torch.arange(n, device=tokens.device) + last_in_response,
-            query_length - 1,  # an empty response: the query's last token
-        )  # fmt: skip
-        return hidden[torch.arange(batch, device=tokens.device)[:, None], last]  # (B, n, d_model)
 
 
 LABELER_PACKAGES = {"sentiment": "vaderSentiment", "descriptiveness": "textblob"}
@@ -519,6 +444,267 @@ def decode(tokenizer, tokens: torch.Tensor) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------------
 # End of the shared pipeline.
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+class BestOfNRewardModel(RewardModel):
+    """The reward model as this script trains it: RewardModel, whose forward also takes n responses to each query,
+    (B, C) and (B, n, T) -> (B, n), from one row [query, response_1, ..., response_n] per query, so that each query's
+    tokens go through the backbone once: its attention mask lets response i see the query and itself only, and its
+    positions restart after the query for each response (the same rewards as RewardModel's forward of the n rows
+    query ⊕ response_i, up to float rounding)."""
+
+    def forward(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        if responses.dim() == 2:
+            return super().forward(queries, responses)
+        (batch, n, length), query_length = responses.shape, queries.shape[1]
+        tokens = torch.cat([queries, responses.flatten(1)], 1)  # (B, L = C + nT)
+        is_token, index = tokens != self.pad_id, torch.arange(tokens.shape[1], device=tokens.device)
+        part = F.pad(index[: n * length] // length + 1, (query_length, 0))  # (L,): 0 the query, i response i
+        sees = (index[None] <= index[:, None]) & ((part[None] == 0) | (part[None] == part[:, None]))  # (L, L)
+        # as padded_forward: no token sees a pad, pads don't advance the positions (a pad sees itself, so that no
+        # softmax row is empty; nothing reads its output)
+        sees = sees & is_token[:, None, :] | torch.eye(len(index), dtype=torch.bool, device=tokens.device)  # (B, L, L)
+        dtype = self.backbone.dtype  # an additive mask: eager and sdpa attention both take it as it is
+        mask = torch.zeros(sees.shape, dtype=dtype, device=tokens.device).masked_fill(~sees, torch.finfo(dtype).min)
+        in_query, in_response = is_token[:, :query_length], is_token[:, query_length:].view(batch, n, length)
+        query_positions = in_query.cumsum(1) - in_query.long()  # (B, C)
+        response_positions = in_query.sum(1)[:, None, None] + in_response.cumsum(2) - in_response.long()  # (B, n, T)
+        hidden = self.backbone(
+            input_ids=torch.where(is_token, tokens, 0),
+            attention_mask=mask[:, None],  # (B, 1, L, L)
+            position_ids=torch.cat([query_positions, response_positions.flatten(1)], 1),
+            use_cache=False,
+        ).last_hidden_state  # (B, L, d_model)
+        last_in_response = length - 1 - in_response.flip(2).int().argmax(2)  # (B, n)
+        last = torch.where(
+            in_response.any(2), query_length + length * torch.arange(n, device=tokens.device) + last_in_response,
+            query_length - 1,  # an empty response: the query's last token
+        )  # fmt: skip
+        return self.normalized_reward(hidden[torch.arange(batch, device=tokens.device)[:, None], last])
+
+
+def best_of_4_loss(reward_model: RewardModel, queries, samples, best):
+    """Cross-entropy of the 4 rewards against the labeler's pick, and accuracy (OAI label_types.py BestOfN); the 4
+    samples of a record go in one forward, which reads their query once (BestOfNRewardModel). Shapes: queries (B, C),
+    samples (B, 4, T), best (B,)."""
+    logits = reward_model(queries, samples).float()  # (B, 4), fp32 also under bf16
+    loss = F.cross_entropy(logits, best)
+    accuracy = (logits.argmax(1) == best).float().mean()
+    return loss, accuracy
+
+
+@torch.no_grad()
+def sample_and_score(ref_lm, reward_model, query_stream: QueryStream, n: int, args: Args):
+    """Sample n responses of the pretrained policy and score them (raw, not truncated): (queries, responses, scores).
+    Like OAI, the policy reads the formatted context (prefix ⊕ query ⊕ suffix), the reward model query ⊕ response."""
+    all_queries, all_responses, all_scores = [], [], []
+    chunk = args.local_rollout_forward_batch_size
+    for start in range(0, n, chunk):
+        query = query_stream.next_batch(min(chunk, n - start)).to(ref_lm.device)  # (b, C)
+        response = sample_responses(
+            ref_lm, query_stream.format(query), reward_model.pad_id, args.task.response_length, args.task.temperature
+        )
+        all_scores.append(reward_model(query, response))
+        all_queries.append(query)
+        all_responses.append(response)
+    return torch.cat(all_queries), torch.cat(all_responses), torch.cat(all_scores)
+
+
+@torch.no_grad()
+def normalize_reward(accelerator, ref_lm, reward_model: RewardModel, query_stream: QueryStream, args: Args,
+                     phase: str):  # fmt: skip
+    """Reset gain/bias, then set gain = 1/σ, bias = -μ/σ from the pretrained policy's rewards; a fresh sample then
+    verifies mean ~0, std ~1. Returns the statistics to log."""
+    # detail: reward normalization before and after — μ and the population σ, sqrt(E[r²] - μ²), all-reduced over
+    # processes (OAI train_reward.py normalize, run before and after training)
+    model, start = accelerator.unwrap_model(reward_model), time.perf_counter()
+    n = math.ceil(args.normalize_samples / args.rollout_batch_size) * args.local_rollout_batch_size
+
+    def stats():
+        with accelerator.autocast():
+            scores = sample_and_score(ref_lm, model, query_stream, n, args)[2].double()  # float64: E[r²] - μ² cancels
+        sums = accelerator.reduce(torch.stack([scores.mean(), scores.square().mean()]), "mean")
+        mean, square_mean = sums.tolist()
+        return mean, math.sqrt(max(square_mean - mean**2, 0.0))
+
+    model.reward_gain.fill_(1.0)
+    model.reward_bias.fill_(0.0)
+    mean, std = stats()
+    if not std > 0:
+        run_utils.fail(
+            f"normalization {phase}: the reward model scores every sample {mean} (std {std}); cannot normalize"
+        )
+    model.reward_gain.fill_(1.0 / std)
+    model.reward_bias.fill_(-mean / std)
+    check_mean, check_std = stats()
+    return {
+        f"normalization/{phase}/mean": mean,
+        f"normalization/{phase}/std": std,
+        f"normalization/{phase}/normalized_mean": check_mean,
+        f"normalization/{phase}/normalized_std": check_std,
+        f"time/normalization_{phase}": time.perf_counter() - start,
+    }
+
+
+@torch.no_grad()
+def label_records(ref_lm, query_stream: QueryStream, tokenizer, truncate_token_id: int, n: int, args: Args):
+    """n best-of-4 records in OAI's schema (query and samples padded with OPENAI_PAD_ID), without their pick yet: 4
+    sampled responses per query, truncated as OAI's labelers saw them, and the simulated labeler's score of each."""
+    pad_id, task = tokenizer.pad_token_id, args.task
+    query = query_stream.next_batch(n).to(ref_lm.device)  # (n, C): bare, as in OAI's files
+    response = sample_responses(ref_lm, query_stream.format(query), pad_id, task.response_length, task.temperature,
+                                NUM_SAMPLES)  # fmt: skip  # (4n, T): each query's 4 samples together
+    response, _ = truncate_responses(response, truncate_token_id, task.truncate_after, pad_id)
+    scores = simulated_labeler_scores(args.labels.source, decode(tokenizer, response))
+    records = []
+    for i in range(n):
+        rows = response[i * NUM_SAMPLES : (i + 1) * NUM_SAMPLES].tolist()
+        unpadded_query = query[i][query[i] != pad_id].tolist()
+        records.append({
+            "query": unpadded_query + [OPENAI_PAD_ID] * (task.query_length - len(unpadded_query)),
+            **{f"sample{j}": [OPENAI_PAD_ID if t == pad_id else t for t in row] for j, row in enumerate(rows)},
+            "scores": scores[i * NUM_SAMPLES : (i + 1) * NUM_SAMPLES],
+        })  # fmt: skip
+    return records
+
+
+def labeler_picks(records: list[dict], labels: LabelHParams, seed: int) -> list[dict]:
+    """The noisy simulated labeler's pick of each record: sample i with probability softmax(beta * score)_i."""
+    rng = np.random.default_rng(seed)
+    for record in records:
+        logits = labels.labeler_beta * np.asarray(record["scores"])
+        probabilities = np.exp(logits - logits.max())
+        record["best"] = int(rng.choice(NUM_SAMPLES, p=probabilities / probabilities.sum()))
+    return records
+
+
+@torch.no_grad()
+def evaluate(accelerator, reward_model, labels: dict, test_ids: torch.Tensor, batch_size: int) -> dict:
+    """Loss and accuracy on the held-out label records, over all processes (each takes every world_size-th, in
+    batches of `batch_size`)."""
+    local_ids = test_ids[accelerator.process_index :: accelerator.num_processes]
+    losses, accuracies = [], []
+    for ids in local_ids.split(batch_size):
+        batch = [labels[k][ids].to(accelerator.device) for k in ("queries", "samples", "best")]
+        loss, accuracy = best_of_4_loss(reward_model, *batch)
+        losses.append(loss * len(ids))
+        accuracies.append(accuracy * len(ids))
+    totals = torch.stack([sum(losses), sum(accuracies), torch.tensor(float(len(local_ids)), device=accelerator.device)])
+    loss_sum, accuracy_sum, count = accelerator.reduce(totals, "sum").tolist()
+    return {"test/loss": loss_sum / count, "test/accuracy": accuracy_sum / count}
+
+
+def main(args: Args) -> None:
+    args = validate_args(args)  # derived sizes, flag checks (this and the other named tooling: below main)
+    tokenizer, labels, texts = read_inputs(args)  # checked before any model loads
+    if args.dry_run:
+        return run_utils.print_dry_run(args, DRY_RUN_SIZES)
+    task, pad_id, cut_token_id = args.task, tokenizer.pad_token_id, truncate_token_id(tokenizer, args.task)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
+                              mixed_precision=args.mixed_precision, kwargs_handlers=run_utils.ddp_options())  # fmt: skip
+    run = run_utils.Run(args, accelerator, "reward_model", RESUME_MAY_CHANGE)  # output dir, logs, resume, signals
+    if run.finished:
+        return
+    device = run_utils.setup_device(accelerator, args)
+    reward_model, ref_lm = load_reward_model_and_sampler(args, pad_id, device)
+    # detail: different seeds for different processes — seed + rank * 100003 (OAI utils/core.py set_mpi_seed)
+    torch.manual_seed(args.seed + accelerator.process_index * RANK_SEED_STRIDE)
+    query_stream = QueryStream(texts, tokenizer, task, pad_id, args.seed, accelerator.process_index,
+                               accelerator.num_processes)  # fmt: skip
+    # 1. labels: from --label-dataset (read before any model loaded), or made here by a simulated labeler, once (a
+    # resumed run reads what its first attempt made)
+    if args.labels.source != "file":
+        labels = simulated_labels(run, accelerator, ref_lm, query_stream, tokenizer, cut_token_id, args)
+    # 2. normalize before (before the optimizer holds the weights: DeepSpeed's fp32 copy then starts from gain and bias)
+    if run.checkpoint is None and args.normalize_before:
+        run.log({"step": 0, **normalize_reward(accelerator, ref_lm, reward_model, query_stream, args, "before")}, 0)
+    optimizer = make_optimizer(reward_model.parameters(), args.lr, args.eps, args.use_tensorflow_adam)
+    reward_model, optimizer = accelerator.prepare(reward_model, optimizer)
+    state = run.resume()  # on --resume: the newest checkpoint's model, optimizer and RNG states; None when fresh
+    if state is not None:
+        query_stream.load_state(state["process"]["stream"])
+    test_ids = held_out_ids(labels, args, run)  # the records past --labels.num-train, in whole batches
+    # the label order: OAI's own for the same seed (train_reward.py: numpy seeded with the seed, its first draw),
+    # drawn on process 0 and broadcast, so all processes agree on it
+    order = broadcast_object_list(
+        [torch.from_numpy(np.random.RandomState(args.seed).permutation(args.labels.num_train))]
+    )[0]
+    unwrapped = accelerator.unwrap_model(reward_model)
+
+    # 3. train: one epoch over the label records, in the shared order
+    reward_model.train()
+    for step in run.progress(range(run.start_step + 1, args.num_updates + 1), "training reward model"):
+        lr = linear_lr(args.lr, step - 1, args.num_updates)  # per step, k = 0 .. N - 1
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        step_start = time.perf_counter()
+        global_ids = order[(step - 1) * args.batch_size : step * args.batch_size]
+        local_ids = global_ids[accelerator.process_index * args.local_batch_size :][: args.local_batch_size]
+        stats = []
+        for ids in local_ids.split(args.micro_batch_size):  # gradient accumulation: micro-batches of one step
+            batch = [labels[k][ids].to(accelerator.device) for k in ("queries", "samples", "best")]
+            with accelerator.accumulate(reward_model):
+                loss, accuracy = best_of_4_loss(reward_model, *batch)
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            stats.append(torch.stack([loss.detach(), accuracy]))
+        row = record_step(run, step, torch.stack(stats), lr, step_start, unwrapped, args)  # over all processes
+        # 4. evaluate on the held-out labels, and show what the reward model thinks of some samples
+        if step % args.print_sample_output_freq == 0 or step == args.num_updates:
+            evaluation_start = time.perf_counter()
+            if len(test_ids):
+                row.update(evaluate(accelerator, reward_model, labels, test_ids, args.local_eval_batch_size))
+            show_samples(run, step, row, ref_lm, unwrapped, query_stream, tokenizer, args)
+            row["time/evaluation"] = time.perf_counter() - evaluation_start
+        run.log(row, step)
+        run.checkpoint_if_due(step, {}, {"stream": query_stream.state()})  # and on SIGTERM / Ctrl-C
+    reward_model.eval()
+    # 5. normalize after
+    row = {"step": args.num_updates}
+    if args.normalize_after:
+        row.update(normalize_reward(accelerator, ref_lm, reward_model, query_stream, args, "after"))
+    run.log({**row, "sync/param_spread": run_utils.parameter_spread(accelerator, reward_model)}, args.num_updates)
+    # 6. save
+    run.save_result(lambda directory: save_reward_model(unwrapped, directory, tokenizer, args.base_model))
+    run.close()
+
+
+# =====================================================================================================================
+# Below: not the algorithm. The machine around it: the tasks' defaults, input checks, loading, the labels' file and
+# resumption, the record of each step, saving, and the speed substitutions the pipeline calls.
+# =====================================================================================================================
+SAMPLE_ROWS = 4  # rows of the sample table printed to the console
+DRY_RUN_SIZES = ("world_size", "local_batch_size", "micro_batch_size", "num_updates")
+RESUME_MAY_CHANGE = {"local_batch_size", "micro_batch_size", "local_rollout_batch_size", "local_eval_batch_size"}
+"""Per-process sizes a resumed run may recompute (the checkpoint's number of processes is checked instead)."""
+
+
+# OAI's tldr and cnndm (launch.py summarize_tldr_task, summarize_cnndm_task, get_experiments) where they differ from
+# books_task, whose values are the fields' defaults: `--task.name X` makes TASK_OVERRIDES[X] the defaults (flags given
+# still win). OAI's cnndm end_text was '\n', but Hub `cnn_dailymail` joins an article's paragraphs with spaces.
+TLDR_OVERRIDES = {"task.query_dataset": "webis/tldr-17", "task.query_field": "content", "task.passage_rows": 1,
+                  "task.query_length": 500, "task.response_length": 75, "task.query_suffix": "\n\nTL;DR:",
+                  "task.start_text": "", "task.end_text": "", "task.truncate_token": "\n", "task.truncate_after": 55,
+                  "label_dataset": "tldr/online_45k.json", "labels.num_train": 46000, "batch_size": 16, "lr": 2.5e-5,
+                  "rollout_batch_size": 128}  # fmt: skip
+TASK_OVERRIDES = {
+    "sentiment": {},
+    "descriptiveness": {"label_dataset": "descriptiveness/offline_5k.json"},
+    "tldr": TLDR_OVERRIDES,
+    "cnndm": {**TLDR_OVERRIDES, "task.query_dataset": "abisee/cnn_dailymail", "task.query_dataset_config": "3.0.0",
+              "task.query_field": "article", "task.query_prefix": "Article:\n\n", "task.temperature": 0.5,
+              "label_dataset": "cnndm/online_45k.json"},
+}  # fmt: skip
+
+
+def task_defaults(name: Optional[str] = None) -> Args:
+    """Args at OAI's defaults for task `name`: the fields' own (books_task's) with TASK_OVERRIDES[name] on top; a
+    name that is no task (or None) keeps the fields' own, and tyro rejects it."""
+    overrides = {"task.name": name, **TASK_OVERRIDES[name]} if name in TASK_OVERRIDES else {}
+    return run_utils.replace_fields(Args(), overrides)
+
+
 def validate_args(args: Args) -> Args:
     """Derive every per-process size in one place and reject inconsistent flags before anything is loaded."""
     run_utils.check_run_args(args)
@@ -595,138 +781,90 @@ def load_labels(path: str, tokenizer, args: Args) -> dict[str, torch.Tensor]:
         )
     queries = torch.tensor([r["query"] for r in records])  # (N, C)
     samples = torch.tensor([[r[f"sample{i}"] for i in range(NUM_SAMPLES)] for r in records])  # (N, 4, T)
-    # OAI's files pad with 50259 (language/encodings.py: two past GPT-2's vocabulary): our pad id instead
+    # OAI's files pad with OPENAI_PAD_ID: our pad id instead
     queries, samples = (torch.where(x == OPENAI_PAD_ID, tokenizer.pad_token_id, x) for x in (queries, samples))
     best = torch.tensor([r["best"] for r in records])
     return dict(queries=right_padding_to_left_padding(queries, tokenizer.pad_token_id), samples=samples, best=best)
 
 
-def best_of_4_loss(reward_model: RewardModel, queries, samples, best):
-    """Cross-entropy of the 4 rewards against the labeler's pick, and accuracy (OAI label_types.py BestOfN); the 4
-    samples of a record go in one forward, which reads their query once. Shapes: queries (B, C), samples (B, 4, T),
-    best (B,)."""
-    logits = reward_model(queries, samples).float()  # (B, 4), fp32 also under bf16
-    loss = F.cross_entropy(logits, best)
-    accuracy = (logits.argmax(1) == best).float().mean()
-    return loss, accuracy
+def load_reward_model_and_sampler(args: Args, pad_id: int, device) -> tuple[RewardModel, nn.Module]:
+    """The reward model to train (the base model with a scalar head, initialized alike on every process) and the
+    frozen base model that samples the labels' candidates and the normalization's responses."""
+    torch.manual_seed(args.seed)  # the head's init
+    with run_utils.flag_errors("--base-model", args.base_model, "cannot load its weights"):
+        reward_model = BestOfNRewardModel(load_pretrained(AutoModel, args.base_model), pad_id)
+        ref_lm = load_pretrained(AutoModelForCausalLM, args.base_model)
+    if args.gradient_checkpointing:
+        run_utils.enable_gradient_checkpointing(reward_model.backbone)
+    return reward_model.to(device), ref_lm.to(device).eval().requires_grad_(False)
 
 
-@torch.no_grad()
-def sample_and_score(ref_lm, reward_model, queries: QueryStream, n: int, args: Args):
-    """Sample n responses of the pretrained policy and score them (raw, not truncated): (queries, responses, scores).
-    Like OAI, the policy reads the formatted context (prefix ⊕ query ⊕ suffix), the reward model query ⊕ response."""
-    all_queries, all_responses, all_scores = [], [], []
-    chunk = args.local_rollout_forward_batch_size
-    for start in range(0, n, chunk):
-        query = queries.next_batch(min(chunk, n - start)).to(ref_lm.device)  # (b, C)
-        response = sample_responses(
-            ref_lm, queries.format(query), reward_model.pad_id, args.task.response_length, args.task.temperature
+def simulated_labels(run, accelerator, ref_lm, query_stream: QueryStream, tokenizer, truncate_token_id: int,
+                     args: Args) -> dict[str, torch.Tensor]:  # fmt: skip
+    """--labels.source sentiment|descriptiveness: label records made here (label_records, labeler_picks) into
+    OUTPUT_DIR/labels.json, once: a resumed run reads them, or, stopped while making them, goes on from there; as
+    load_labels gives a label file."""
+    path, total = run.output_dir / "labels.json", args.labels.num_train + args.labels.simulated_num_test
+    if run.checkpoint is None:
+        local, chunk = math.ceil(total / args.world_size), max(args.local_rollout_forward_batch_size // NUM_SAMPLES, 1)
+        records = []
+
+        def restore(saved: dict) -> None:  # on --resume after a stop here: the labels made so far, then the rest
+            records.extend(saved["records"])
+            query_stream.load_state(saved["stream"])
+
+        keep = lambda: {"records": records, "stream": query_stream.state()}  # noqa: E731
+        for start in run.resumable("labels", range(0, local, chunk), "simulating labels", keep, restore):
+            with accelerator.autocast():
+                records += label_records(ref_lm, query_stream, tokenizer, truncate_token_id, min(chunk, local - start),
+                                         args)  # fmt: skip
+        records = labeler_picks(gather_object(records)[:total], args.labels, args.seed)
+        if accelerator.is_main_process:
+            run_utils.write_text_atomic(path, json.dumps(records))
+        run.discard_partial("labels")
+    accelerator.wait_for_everyone()
+    return load_labels(str(path), tokenizer, args)
+
+
+def held_out_ids(labels: dict, args: Args, run) -> torch.Tensor:
+    """The held-out records' indices: those past --labels.num-train, cut to whole --batch-size batches (none: a
+    notice)."""
+    num_test = (len(labels["best"]) - args.labels.num_train) // args.batch_size * args.batch_size
+    if num_test == 0:
+        run.print(
+            f"--label-dataset: no records beyond --labels.num-train {args.labels.num_train}: no held-out evaluation"
         )
-        all_scores.append(reward_model(query, response))
-        all_queries.append(query)
-        all_responses.append(response)
-    return torch.cat(all_queries), torch.cat(all_responses), torch.cat(all_scores)
+    return torch.arange(args.labels.num_train, args.labels.num_train + num_test)
 
 
-@torch.no_grad()
-def normalize_reward(accelerator, ref_lm, reward_model: RewardModel, queries: QueryStream, args: Args, phase: str):
-    """Reset gain/bias, then set gain = 1/σ, bias = -μ/σ from the pretrained policy's rewards; a fresh sample then
-    verifies mean ~0, std ~1. Returns the statistics to log."""
-    # detail: reward normalization before and after — μ and the population σ, sqrt(E[r²] - μ²), all-reduced over
-    # processes (OAI train_reward.py normalize, run before and after training)
-    model, start = accelerator.unwrap_model(reward_model), time.perf_counter()
-    n = math.ceil(args.normalize_samples / args.rollout_batch_size) * args.local_rollout_batch_size
-
-    def stats():
-        with accelerator.autocast():
-            scores = sample_and_score(ref_lm, model, queries, n, args)[2].double()  # float64: E[r²] - μ² cancels
-        sums = accelerator.reduce(torch.stack([scores.mean(), scores.square().mean()]), "mean")
-        mean, square_mean = sums.tolist()
-        return mean, math.sqrt(max(square_mean - mean**2, 0.0))
-
-    model.reward_gain.fill_(1.0)
-    model.reward_bias.fill_(0.0)
-    mean, std = stats()
-    if not std > 0:
-        run_utils.fail(
-            f"normalization {phase}: the reward model scores every sample {mean} (std {std}); cannot normalize"
-        )
-    model.reward_gain.fill_(1.0 / std)
-    model.reward_bias.fill_(-mean / std)
-    check_mean, check_std = stats()
-    return {
-        f"normalization/{phase}/mean": mean,
-        f"normalization/{phase}/std": std,
-        f"normalization/{phase}/normalized_mean": check_mean,
-        f"normalization/{phase}/normalized_std": check_std,
-        f"time/normalization_{phase}": time.perf_counter() - start,
-    }
-
-
-@torch.no_grad()
-def simulate_labels(run, ref_lm, queries: QueryStream, tokenizer, truncate_token_id: int, args: Args) -> list[dict]:
-    """Best-of-4 labels from a noisy simulated labeler, in OAI's schema: 4 sampled (and truncated, as OAI's labelers
-    saw them) responses per query; the labeler picks i with probability softmax(beta * score)_i."""
-    pad_id, total = tokenizer.pad_token_id, args.labels.num_train + args.labels.simulated_num_test
-    local = math.ceil(total / args.world_size)
-    chunk = max(args.local_rollout_forward_batch_size // NUM_SAMPLES, 1)
-    records, first = [], 0
-    stopped = run.load_partial("labels")  # on --resume after a stop here: the labels made so far, then the rest
-    if stopped is not None:
-        records, first = stopped["records"], stopped["next"]
-        queries.load_state(stopped["stream"])
-    for start in run.progress(range(first, local, chunk), "simulating labels"):
-        if signum := run.stop_requested():  # Ctrl-C / SIGTERM: stop now, keeping what is made
-            run.stop_keeping_partial("labels", signum, {"records": records, "next": start, "stream": queries.state()})
-        query = queries.next_batch(min(chunk, local - start)).to(ref_lm.device)  # (b, C): bare, as in OAI's files
-        contexts = queries.format(query)  # (b, prefix + C + suffix)
-        response = sample_responses(
-            ref_lm, contexts, pad_id, args.task.response_length, args.task.temperature, NUM_SAMPLES
-        )  # (4b, T): each query's 4 samples together
-        response, _ = truncate_responses(response, truncate_token_id, args.task.truncate_after, pad_id)
-        scores = simulated_labeler_scores(args.labels.source, decode(tokenizer, response))
-        for i in range(query.shape[0]):
-            rows = response[i * NUM_SAMPLES : (i + 1) * NUM_SAMPLES].tolist()
-            unpadded_query = query[i][query[i] != pad_id].tolist()
-            records.append({
-                "query": unpadded_query + [OPENAI_PAD_ID] * (args.task.query_length - len(unpadded_query)),
-                **{f"sample{j}": [OPENAI_PAD_ID if t == pad_id else t for t in row] for j, row in enumerate(rows)},
-                "scores": scores[i * NUM_SAMPLES : (i + 1) * NUM_SAMPLES],
-            })  # fmt: skip
-    records = gather_object(records)[:total]
-    rng = np.random.default_rng(args.seed)
-    for record in records:
-        logits = args.labels.labeler_beta * np.asarray(record["scores"])
-        probabilities = np.exp(logits - logits.max())
-        record["best"] = int(rng.choice(NUM_SAMPLES, p=probabilities / probabilities.sum()))
-    return records
-
-
-@torch.no_grad()
-def evaluate(accelerator, reward_model, labels: dict, test_ids: torch.Tensor, args: Args) -> dict:
-    """Loss and accuracy on the held-out label records, over all processes (each takes every world_size-th)."""
-    local_ids = test_ids[accelerator.process_index :: accelerator.num_processes]
-    losses, accuracies = [], []
-    for ids in local_ids.split(args.local_eval_batch_size):
-        batch = [labels[k][ids].to(accelerator.device) for k in ("queries", "samples", "best")]
-        loss, accuracy = best_of_4_loss(reward_model, *batch)
-        losses.append(loss * len(ids))
-        accuracies.append(accuracy * len(ids))
-    totals = torch.stack([sum(losses), sum(accuracies), torch.tensor(float(len(local_ids)), device=accelerator.device)])
-    loss_sum, accuracy_sum, count = accelerator.reduce(totals, "sum").tolist()
-    return {"test/loss": loss_sum / count, "test/accuracy": accuracy_sum / count}
-
-
-def timing_stats(run, trunk_params: int, step_start: float, args: Args) -> dict:
-    """elapsed/time, the step's seconds and, with --peak-tflops, its MFU (per process: a label's query once and its 4
-    samples, 2 FLOPs per trunk parameter and token forward, twice that backward)."""
+def record_step(run, step: int, stats: torch.Tensor, lr: float, step_start: float, model, args: Args) -> dict:
+    """The step's metrics row: train/loss and train/accuracy averaged over the micro-batches (`stats`, (micro-batches,
+    2)) and the processes, the lr, the time and, with --peak-tflops, MFU (per process: a label's query once and its 4
+    samples, 2 FLOPs per trunk parameter and token forward, twice that backward); the run stops, saying where, if the
+    loss is not finite."""
+    means = {"train/loss": stats[:, 0].mean(), "train/accuracy": stats[:, 1].mean()}
+    row = {"step": step, **run_utils.reduce_metrics(run.accelerator, means)}
+    run.stop_if_not_finite(row, step, run_utils.first_non_finite(stats, {"micro-batch": len(stats)},
+                                                                 run.accelerator.process_index))  # fmt: skip
     seconds = time.perf_counter() - step_start
-    stats = {"elapsed/time": run.elapsed(), "time/train_step": seconds,
-             "time/peak_memory_gb": run_utils.peak_memory_gb(run.accelerator.device)}  # fmt: skip
+    row.update({"train/lr": lr, "elapsed/time": run.elapsed(), "time/train_step": seconds,
+                "time/peak_memory_gb": run_utils.peak_memory_gb(run.accelerator.device)})  # fmt: skip
     if args.peak_tflops:
         tokens = args.local_batch_size * (args.task.query_length + NUM_SAMPLES * args.task.response_length)
-        stats["time/mfu_train_step"] = run_utils.mfu(6 * trunk_params * tokens, seconds, args.peak_tflops)
-    return stats
+        flops = 6 * run_utils.trunk_parameters(model.backbone) * tokens
+        row["time/mfu_train_step"] = run_utils.mfu(flops, seconds, args.peak_tflops)
+    return row
+
+
+def show_samples(run, step: int, row: dict, ref_lm, model, query_stream: QueryStream, tokenizer, args: Args) -> None:
+    """The held-out evaluation's line, and a table of new samples of the pretrained policy with the reward model's
+    scores (console, TensorBoard, wandb, samples.jsonl)."""
+    if "test/loss" in row:
+        run.print(f"step {step}: test/loss {row['test/loss']:.4f} accuracy {row['test/accuracy']:.4f}")
+    with run.accelerator.autocast():
+        query, response, reward = sample_and_score(ref_lm, model, query_stream, SAMPLE_ROWS, args)
+    columns = {"query": decode(tokenizer, query), "response": decode(tokenizer, response), "reward": reward.tolist()}
+    run.samples("samples.jsonl", step, columns)
 
 
 def save_reward_model(model: RewardModel, directory: Path, tokenizer, base_model: str) -> None:
@@ -746,122 +884,48 @@ def save_reward_model(model: RewardModel, directory: Path, tokenizer, base_model
     (directory / "reward_model.json").write_text(json.dumps(info, indent=2))
 
 
-def load_reward_model_and_sampler(args: Args, pad_id: int, device) -> tuple[RewardModel, nn.Module]:
-    """The reward model to train (the base model with a scalar head, initialized alike on every process) and the
-    frozen base model that samples the labels' candidates and the normalization's responses."""
-    torch.manual_seed(args.seed)  # the head's init
-    with run_utils.flag_errors("--base-model", args.base_model, "cannot load its weights"):
-        reward_model = RewardModel(load_pretrained(AutoModel, args.base_model), pad_id)
-        ref_lm = load_pretrained(AutoModelForCausalLM, args.base_model)
-    if args.gradient_checkpointing:
-        run_utils.enable_gradient_checkpointing(reward_model.backbone)
-    return reward_model.to(device), ref_lm.to(device).eval().requires_grad_(False)
+# ---------------------------------------------------------------------------------------------------------------------
+# Speed substitutions the shared pipeline calls, copied verbatim into each script (tests/test_shared_helpers.py):
+# each computes what its plain form (the comment that opens its body) computes, to float rounding, in less time;
+# docs/speed.md has the measurements.
+# ---------------------------------------------------------------------------------------------------------------------
+def head_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows @ weight^T: (N, d) x (V, d) -> (N, V). On a CPU as W @ rows^T copied back to rows, which MKL runs faster
+    (docs/speed.md#each-speed-detail-on-its-own)."""
+    # plain form: return rows @ weight.T
+    return (weight @ rows.T).T.contiguous() if rows.device.type == "cpu" else rows @ weight.T
 
 
-def main(args: Args) -> None:
-    args = validate_args(args)  # derived sizes, flag checks
-    tokenizer, labels, texts = read_inputs(args)  # checked before any model loads
-    if args.dry_run:
-        return run_utils.print_dry_run(args, ("world_size", "local_batch_size", "micro_batch_size", "num_updates"))
-    task, pad_id, cut_token_id = args.task, tokenizer.pad_token_id, truncate_token_id(tokenizer, args.task)
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        mixed_precision=args.mixed_precision,
-        kwargs_handlers=run_utils.ddp_options(),
-    )
-    run = run_utils.Run(args, accelerator, "reward_model", RESUME_MAY_CHANGE)  # output dir, logs, resume, signals
-    if run.finished:
-        return
-    run_utils.setup_device(accelerator, args.allow_tf32)
-    run_utils.warn_if_memory_short(args, accelerator)  # the estimate of --dry-run, against this GPU's memory
-    reward_model, ref_lm = load_reward_model_and_sampler(args, pad_id, accelerator.device)
-    # detail: different seeds for different processes — seed + rank * 100003 (OAI utils/core.py set_mpi_seed)
-    torch.manual_seed(args.seed + accelerator.process_index * RANK_SEED_STRIDE)
-    query_stream = QueryStream(
-        texts, tokenizer, task, pad_id, args.seed, accelerator.process_index, accelerator.num_processes
-    )
-    # 1. labels: from --label-dataset (read before any model loaded), or simulated here, made once (a resumed run
-    # reads what its first attempt made)
-    if args.labels.source != "file":
-        label_path = run.output_dir / "labels.json"
-        if run.checkpoint is None:
-            with accelerator.autocast():
-                records = simulate_labels(run, ref_lm, query_stream, tokenizer, cut_token_id, args)
-            if accelerator.is_main_process:
-                run_utils.write_text_atomic(label_path, json.dumps(records))
-            run.discard_partial("labels")
-        accelerator.wait_for_everyone()
-        labels = load_labels(str(label_path), tokenizer, args)
-    # 2. normalize before (before the optimizer holds the weights: DeepSpeed's fp32 copy then starts from gain and bias)
-    if run.checkpoint is None and args.normalize_before:
-        run.log({"step": 0, **normalize_reward(accelerator, ref_lm, reward_model, query_stream, args, "before")}, 0)
-    optimizer = make_optimizer(reward_model.parameters(), args.lr, args.eps, args.use_tensorflow_adam)
-    reward_model, optimizer = accelerator.prepare(reward_model, optimizer)
-    state = run.resume()  # on --resume: the newest checkpoint's model, optimizer and RNG states; None when fresh
-    if state is not None:
-        query_stream.load_state(state["process"]["stream"])
-    num_test = (len(labels["best"]) - args.labels.num_train) // args.batch_size * args.batch_size
-    test_ids = torch.arange(args.labels.num_train, args.labels.num_train + num_test)
-    if num_test == 0:
-        run.print(
-            f"--label-dataset: no records beyond --labels.num-train {args.labels.num_train}: no held-out evaluation"
-        )
-    # the label order: OAI's own for the same seed (train_reward.py: numpy seeded with the seed, its first draw),
-    # drawn on process 0 and broadcast, so all processes agree on it
-    order = [torch.from_numpy(np.random.RandomState(args.seed).permutation(args.labels.num_train))]
-    order = broadcast_object_list(order)[0]
-    unwrapped, rank = accelerator.unwrap_model(reward_model), accelerator.process_index
-    trunk_params = run_utils.trunk_parameters(unwrapped.backbone)
+def draw_tokens(probabilities: torch.Tensor) -> torch.Tensor:
+    """One token per row drawn from (B, V) probabilities: (B, 1). By inverse CDF, one uniform per draw: the same
+    distribution as torch.multinomial, which draws an exponential per vocabulary entry
+    (docs/speed.md#sampling-the-scripts-loop-against-generate)."""
+    # plain form: return torch.multinomial(probabilities, 1)
+    cdf = probabilities.double().cumsum(-1)  # (B, V)
+    uniform = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # (B, 1)
+    return torch.searchsorted(cdf, uniform, right=True).clamp_max(cdf.shape[1] - 1)
 
-    # 3. train: one epoch over the label records, in the shared order
-    reward_model.train()
-    for step in run.progress(range(run.start_step + 1, args.num_updates + 1), "training reward model"):
-        lr = linear_lr(args.lr, step - 1, args.num_updates)  # per step, k = 0 .. N - 1
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        step_start = time.perf_counter()
-        global_ids = order[(step - 1) * args.batch_size : step * args.batch_size]
-        local_ids = global_ids[accelerator.process_index * args.local_batch_size :][: args.local_batch_size]
-        stats = []
-        for ids in local_ids.split(args.micro_batch_size):  # gradient accumulation: micro-batches of one step
-            batch = [labels[k][ids].to(accelerator.device) for k in ("queries", "samples", "best")]
-            with accelerator.accumulate(reward_model):
-                loss, accuracy = best_of_4_loss(reward_model, *batch)
-                accelerator.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
-            stats.append(torch.stack([loss.detach(), accuracy]))
-        stats = torch.stack(stats)  # (micro-batches, 2)
-        means = {"train/loss": stats[:, 0].mean(), "train/accuracy": stats[:, 1].mean()}
-        row = {"step": step, **run_utils.reduce_metrics(accelerator, means)}  # over all processes
-        run.stop_if_not_finite(row, step, run_utils.first_non_finite(stats, {"micro-batch": len(stats)}, rank))
-        row.update({"train/lr": lr, **timing_stats(run, trunk_params, step_start, args)})
-        # 4. evaluate on the held-out labels, and show what the reward model thinks of some samples
-        if step % args.print_sample_output_freq == 0 or step == args.num_updates:
-            evaluation_start = time.perf_counter()
-            if num_test:
-                row.update(evaluate(accelerator, reward_model, labels, test_ids, args))
-                run.print(f"step {step}: test/loss {row['test/loss']:.4f} accuracy {row['test/accuracy']:.4f}")
-            with accelerator.autocast():
-                query, response, reward = sample_and_score(ref_lm, unwrapped, query_stream, SAMPLE_ROWS, args)
-            columns = {
-                "query": decode(tokenizer, query),
-                "response": decode(tokenizer, response),
-                "reward": reward.tolist(),
-            }
-            run.samples("samples.jsonl", step, columns)  # a table on the console, TensorBoard, wandb; the file
-            row["time/evaluation"] = time.perf_counter() - evaluation_start
-        run.log(row, step)
-        run.checkpoint_if_due(step, {}, {"stream": query_stream.state()})  # and on SIGTERM / Ctrl-C
-    reward_model.eval()
-    # 5. normalize after
-    row = {"step": args.num_updates}
-    if args.normalize_after:
-        row.update(normalize_reward(accelerator, ref_lm, reward_model, query_stream, args, "after"))
-    run.log({**row, "sync/param_spread": run_utils.parameter_spread(accelerator, reward_model)}, args.num_updates)
-    # 6. save
-    run.save_result(lambda directory: save_reward_model(unwrapped, directory, tokenizer, args.base_model))
-    run.close()
+
+def fused_gelu(config):
+    """The config with GPT-2's "gelu_new" (the tanh GELU, OAI's gelu, written as 8 tensor operations) replaced by
+    torch's fused kernel of the same function (docs/speed.md#each-speed-detail-on-its-own)."""
+    # plain form: return config
+    if getattr(config, "activation_function", None) == "gelu_new":
+        config.activation_function = "gelu_pytorch_tanh"
+    return config
+
+
+def cache_argument(lm: nn.Module, kv_cache) -> dict:
+    """The KV cache as the keyword lm.base_model's forward takes it: newer transformers name it `cache`, older ones
+    (those the GPU nodes may have preinstalled) `past_key_values`."""
+    # plain form: return {"past_key_values": kv_cache}
+    parameters = inspect.signature(lm.base_model.forward).parameters
+    return {"cache" if "cache" in parameters else "past_key_values": kv_cache}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# End of the speed substitutions.
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 if __name__ == "__main__":

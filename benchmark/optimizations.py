@@ -165,7 +165,7 @@ def main(args: Args) -> None:
         train_step(P.lm_logits),
         None,  # the same logits as the no-grad row above, which checks them
     )
-    reward = R.RewardModel(lm.transformer, pad).to(device).eval()
+    reward = R.BestOfNRewardModel(lm.transformer, pad).to(device).eval()
     with torch.no_grad():
         row(
             f"reward forward ({4 * B} rows): backbone only, no LM head",

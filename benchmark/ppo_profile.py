@@ -75,7 +75,7 @@ def main(args: Args) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    run_utils.setup_device(SimpleNamespace(device=torch.device("cpu")), allow_tf32=False)  # the scripts' malloc setup
+    run_utils.setup_device(SimpleNamespace(device=torch.device("cpu")), SimpleNamespace(allow_tf32=False))  # malloc
     torch.manual_seed(0)
     n_layer, n_embd, n_head = SIZES[args.model]
     with tempfile.TemporaryDirectory() as directory:  # loaded the scripts' way (no dropout, the fused GELU)

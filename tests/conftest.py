@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 import run_utils
 from benchmark.tiny_task import synthetic_sentences, write_tiny_gpt2
@@ -136,3 +136,27 @@ def run_script(script: str, *flags: str, nproc: int = 1, timeout: int = 600, env
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def tiny_gpt2_config(**kwargs) -> GPT2Config:
+    return GPT2Config(n_layer=2, n_head=4, n_embd=64, **kwargs)
+
+
+def dominated_lm(token_id: int) -> GPT2LMHeadModel:
+    """A tiny GPT-2 that emits `token_id` with probability ~1 at every position: the final layer norm outputs a
+    constant vector of ones and only the LM-head row of `token_id` is non-zero (logit 64 vs 0 for the rest)."""
+    torch.manual_seed(0)
+    lm = GPT2LMHeadModel(tiny_gpt2_config(tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        lm.transformer.ln_f.weight.zero_()
+        lm.transformer.ln_f.bias.fill_(1.0)
+        lm.lm_head.weight.zero_()
+        lm.lm_head.weight[token_id] = 1.0
+    return lm
+
+
+def one_line_error(failure: pytest.ExceptionInfo) -> str:
+    """The message of a run_utils.fail: one line, starting with "error: "."""
+    message = str(failure.value.code)
+    assert message.startswith("error: ") and "\n" not in message, message
+    return message

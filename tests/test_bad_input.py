@@ -168,12 +168,13 @@ def test_base_model_whose_weights_do_not_load(tiny_assets, tmp_path, script):
 
 
 def test_quickstarts_held_out_split_names_a_base_model_without_a_tokenizer(tiny_assets, tmp_path):
+    import quickstart
     import train_policy_accelerate as P
 
     args = run_utils.task_cli(P.task_defaults, ["--rewards.trained-model", "x", "--base-model", str(tmp_path),
                                                 "--task.query-dataset", str(tiny_assets["corpus"])])  # fmt: skip
     with pytest.raises(SystemExit) as failure:
-        P.held_out_texts(args)
+        quickstart.held_out_texts(args)
     assert str(failure.value).startswith(f"error: --base-model '{tmp_path}': cannot load a tokenizer")
 
 

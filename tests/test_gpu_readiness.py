@@ -22,9 +22,10 @@ CPU_SIDE = {
     ("train_reward_accelerate.py", "next_batch"): "the same (the shared QueryStream)",
     ("train_policy_accelerate.py", "__init__"): "RewardModel's gain and bias: parameters, moved with the module",
     ("train_reward_accelerate.py", "__init__"): "the same",
-    ("train_policy_accelerate.py", "evaluate_gold"): "the held-out query indices, made into a list for the samples",
+    ("train_policy_accelerate.py", "evaluate"): "the gold evaluation's query indices, made into a list for its samples",
     ("train_reward_accelerate.py", "load_labels"): "the label records, on the CPU; each batch goes .to(device)",
-    ("train_reward_accelerate.py", "main"): "the held-out and training label indices into those CPU records",
+    ("train_reward_accelerate.py", "main"): "the training label order: indices into those CPU records",
+    ("train_reward_accelerate.py", "held_out_ids"): "the held-out records' indices into them",
 }
 """Functions that may make tensors on the default device (the CPU), and why."""
 
@@ -61,21 +62,21 @@ def test_the_reward_models_evaluation_makes_nothing_on_the_default_device():
     refuses a CPU tensor among CUDA ones)."""
     torch.manual_seed(0)
     backbone = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_layer=1, n_embd=16, n_head=2, n_positions=64)).transformer
-    model = R.RewardModel(backbone, pad_id=99).eval()
+    model = R.BestOfNRewardModel(backbone, pad_id=99).eval()
     labels = {"queries": torch.randint(0, 99, (6, 5)), "samples": torch.randint(0, 99, (6, 4, 3)),
               "best": torch.randint(0, 4, (6,))}  # fmt: skip
     accelerator = types.SimpleNamespace(process_index=0, num_processes=1, device=torch.device("cpu"),
                                         reduce=lambda tensor, reduction: tensor)  # fmt: skip
     args = types.SimpleNamespace(local_eval_batch_size=4)
     with torch.device("meta"):
-        metrics = R.evaluate(accelerator, model, labels, torch.arange(6, device="cpu"), args)
+        metrics = R.evaluate(accelerator, model, labels, torch.arange(6, device="cpu"), args.local_eval_batch_size)
     assert 0 <= metrics["test/accuracy"] <= 1 and metrics["test/loss"] > 0
 
 
 PER_STEP = {"padded_forward", "vocabulary_logits", "head_product", "sample_responses", "truncate_responses",
-            "forward", "normalized_reward", "last_hidden_of_responses_sharing_their_query", "value_of",
+            "forward", "normalized_reward", "best_of_4_loss", "value_of", "draw_tokens", "cache_argument",
             "response_logits", "logprobs_from_logits", "compute_rewards", "whiten", "compute_advantages",
-            "ppo_losses", "minibatches", "best_of_4_loss"}  # fmt: skip
+            "ppo_losses", "minibatches"}  # fmt: skip
 """The functions every sampling step or PPO / reward-model step runs."""
 
 
@@ -128,8 +129,11 @@ def test_bf16_on_a_gpu_without_bf16_units_is_warned(monkeypatch, capsys, capabil
     than fp32: a one-line warning at the start."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-32GB")
-    accelerator = types.SimpleNamespace(device=torch.device("cuda", 0), mixed_precision="bf16", is_main_process=True)
-    run_utils.setup_device(accelerator, allow_tf32=False)
+    accelerator = types.SimpleNamespace(device=torch.device("cuda", 0), mixed_precision="bf16", is_main_process=True,
+                                        num_processes=1, state=types.SimpleNamespace(deepspeed_plugin=None))  # fmt: skip
+    args = P.validate_args(run_utils.replace_fields(P.task_defaults(), {"rewards.trained_model": "reward_model",
+                                                                        "gpu_memory_gb": 80.0}))  # fmt: skip
+    run_utils.setup_device(accelerator, args)
     output = capsys.readouterr().err
     expected = "warning: --mixed-precision bf16 on Tesla V100-SXM2-32GB (compute capability 7.0)"
     assert (expected in output) == warned, output

@@ -111,7 +111,7 @@ def test_ppo_ratios_start_at_exactly_1_also_under_bf16(precision):
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
     torch.manual_seed(0)
     with autocast:
-        responses = P.generate_responses(policy.lm, contexts, PAD, args)
+        responses = P.generate_responses(policy.lm, contexts, PAD, 6, 0.7, 8)
         query_responses = torch.cat([contexts, responses], 1)
         logprobs, _, values = P.rollout_logprobs(policy, ref_lm, query_responses, 10, PAD, 0.7, 8)
         order = torch.randperm(8)  # the first minibatch: the same rows in PPO's shuffled order
@@ -124,7 +124,7 @@ def test_ppo_ratios_start_at_exactly_1_also_under_bf16(precision):
 def test_reward_loss_under_bf16_stays_within_tolerance_of_fp32():
     torch.manual_seed(0)
     backbone = GPT2LMHeadModel(GPT2Config(vocab_size=1000, n_layer=2, n_embd=64, n_head=4)).transformer
-    model = R.RewardModel(backbone, PAD).eval()
+    model = R.BestOfNRewardModel(backbone, PAD).eval()
     queries, samples = torch.randint(0, PAD, (4, 12)), torch.randint(0, PAD, (4, 4, 6))
     best = torch.tensor([0, 1, 2, 3])
     with torch.no_grad():

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from conftest import dominated_lm, one_line_error, tiny_gpt2_config
+from transformers import AutoTokenizer, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import rlhf_data
 import train_policy_accelerate as P
@@ -22,29 +23,6 @@ import train_policy_accelerate as P
 PAD = 50257  # GPT-2's [PAD]: one past the 50257-token vocabulary
 EOS = 50256
 DOT = 13  # '.'
-
-
-def tiny_gpt2_config(**kwargs) -> GPT2Config:
-    return GPT2Config(n_layer=2, n_head=4, n_embd=64, **kwargs)
-
-
-def dominated_lm(token_id: int) -> GPT2LMHeadModel:
-    """A tiny GPT-2 that emits `token_id` with probability ~1 at every position: the final layer norm outputs a
-    constant vector of ones and only the LM-head row of `token_id` is non-zero (logit 64 vs 0 for the rest)."""
-    torch.manual_seed(0)
-    lm = GPT2LMHeadModel(tiny_gpt2_config(tie_word_embeddings=False)).eval()
-    with torch.no_grad():
-        lm.transformer.ln_f.weight.zero_()
-        lm.transformer.ln_f.bias.fill_(1.0)
-        lm.lm_head.weight.zero_()
-        lm.lm_head.weight[token_id] = 1.0
-    return lm
-
-
-def one_line_error(failure: pytest.ExceptionInfo) -> str:
-    message = str(failure.value.code)
-    assert message.startswith("error: ") and "\n" not in message, message
-    return message
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -96,7 +74,7 @@ def test_score_responses_scores_postprocessed_text_and_penalizes_uncut():
     responses = torch.tensor([response_with_dots(18), response_with_dots(10)])
     queries = torch.tensor([[PAD, 15496, 995], [15496, 995, 11]])
     reward_model = ConstantReward()
-    postprocessed, scores = P.score_responses(reward_model, queries, responses, DOT, args)
+    postprocessed, scores = P.score_responses(reward_model, queries, responses, DOT, args.task, 64)
     assert scores.tolist() == [0.5, -1.0]
     assert torch.equal(reward_model.seen, torch.cat([queries, postprocessed], 1))
     assert postprocessed[0, 19:].tolist() == [PAD] * 5
@@ -108,7 +86,7 @@ def test_no_rejection_sampling_scores_every_response_whole_and_never_penalizes()
     responses = torch.tensor([response_with_dots(18), response_with_dots(10)])  # the first would be cut, the second
     queries = torch.tensor([[PAD, 15496, 995], [15496, 995, 11]])  # penalized, with rejection sampling
     reward_model = ConstantReward()
-    postprocessed, scores = P.score_responses(reward_model, queries, responses, DOT, args)
+    postprocessed, scores = P.score_responses(reward_model, queries, responses, DOT, args.task, 64)
     assert scores.tolist() == [0.5, 0.5]
     assert torch.equal(postprocessed, responses) and torch.equal(reward_model.seen, torch.cat([queries, responses], 1))
 
@@ -133,7 +111,7 @@ def test_reward_function_scores_the_decoded_texts_with_the_same_truncation_and_p
     args.task = P.TaskHParams(response_length=24, truncate_after=16, penalty_reward_value=-1.0)
     responses = torch.tensor([response_with_dots(18), response_with_dots(10)])  # cut after 18; never cut
     queries = torch.tensor([[PAD, 15496, 995], [15496, 995, 11]])  # "Hello world", "Hello world,"
-    postprocessed, scores = P.score_responses(function, queries, responses, DOT, args)
+    postprocessed, scores = P.score_responses(function, queries, responses, DOT, args.task, 64)
     seen_queries, seen_responses = __import__("user_rewards").SEEN[0]
     assert seen_queries == ["Hello world", "Hello world,"]
     assert seen_responses == tokenizer.batch_decode(postprocessed, skip_special_tokens=True)
@@ -615,7 +593,7 @@ def test_no_scale_logprobs_takes_the_log_probs_of_the_raw_logits_but_samples_at_
     for scale in (True, False):
         args.task = P.TaskHParams(response_length=5, truncate_after=1, temperature=0.7, scale_logprobs=scale)
         torch.manual_seed(0)
-        responses = P.generate_responses(lm, contexts, pad_id, args)
+        responses = P.generate_responses(lm, contexts, pad_id, 5, 0.7, 4)
         query_responses = torch.cat([contexts, responses], 1)
         results[scale] = (
             responses,
@@ -725,10 +703,10 @@ def test_share_moments_are_openais_per_rank_statistics_averaged():
 
 def test_elapsed_fps_is_the_current_updates_like_openai_and_the_average_is_kept_apart(monkeypatch):
     args = P.validate_args(policy_args(batch_size=64))
-    timer = types.SimpleNamespace(times={"time/generation": 1.0}, device=torch.device("cpu"))
+    timer = types.SimpleNamespace(times={"time/generation": 1.0}, device=torch.device("cpu"), start=10.0)
     run = types.SimpleNamespace(elapsed=lambda: 100.0)
     monkeypatch.setattr(P.time, "perf_counter", lambda: 12.0)
-    stats = P.timing_stats(run, None, timer, 10.0, torch.zeros(64, 64), 5, args)
+    stats = P.timing_stats(run, None, timer, torch.zeros(64, 64), 5, args)
     assert stats["elapsed/fps"] == 64 * 24 / 2.0  # this update took 2 s (OAI train_policy.py: per update)
     assert stats["elapsed/fps_average"] == 5 * 64 * 24 / 100.0  # since the start
 
@@ -765,3 +743,33 @@ def test_vocabulary_logits_are_the_heads_on_either_product_orientation():
         assert logits.dtype == torch.float32 and logits.is_contiguous()
     rows, weight = torch.randn(6, 16, device="meta"), head.weight.to("meta")
     assert P.head_product(rows, weight).shape == (6, 40) and P.head_product(rows, weight).is_contiguous()
+
+
+def test_record_update_logs_the_kl_by_three_estimators_and_approxkls_largest(monkeypatch):
+    """record_update (OAI record_step_stats): objective/kl is k1, OAI's Σ_t log π − log π_ref; kl_k2 and kl_k3 are
+    Σ_t ½(log r)² and Σ_t (r − 1 − log r) with r = π_ref / π, batch means; approxkl is the mean over the update's
+    micro-batches and approxkl_max their largest. Hand-checked on two responses of two tokens."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    args = P.validate_args(policy_args(batch_size=8, total_episodes=24, whitening_ranks=1))
+    logprobs = torch.tensor([[-1.0, -2.0], [-0.5, -0.5]])
+    ref_logprobs = torch.tensor([[-1.5, -1.0], [-0.5, -1.5]])  # log r: [[-0.5, 1.0], [0.0, -1.0]]
+    rollout = dict(queries=torch.zeros(2, 3, dtype=torch.long), contexts=torch.zeros(2, 3, dtype=torch.long),
+                   responses=torch.zeros(2, 2, dtype=torch.long), scores=torch.tensor([1.0, 0.0]), logprobs=logprobs,
+                   ref_logprobs=ref_logprobs, non_score_reward=-0.1 * (logprobs - ref_logprobs))  # fmt: skip
+    stats = {key: [torch.tensor(value) for value in values] for key, values in {
+        "ppo/policy/approxkl": [0.01, 0.04, 0.02], "ppo/loss/total": [1.0, 1.0, 1.0], "ppo/returns/var": [2.0] * 3,
+        "ppo/val/error": [1.0] * 3}.items()}  # fmt: skip
+    accelerator = types.SimpleNamespace(device=torch.device("cpu"), process_index=0, gather=lambda tensor: tensor)
+    run = types.SimpleNamespace(accelerator=accelerator, stop_if_not_finite=lambda row, update, where: None,
+                                elapsed=lambda: 1.0, samples=lambda *a: None, print=lambda *a: None)  # fmt: skip
+    timer = types.SimpleNamespace(times={}, device=torch.device("cpu"), start=0.0)
+    row = P.record_update(run, 2, stats, rollout, timer, args, kl_coef=0.1, lr=1e-5,
+                            policy=types.SimpleNamespace(lm=None), tokenizer=None)  # fmt: skip
+    log_r = ref_logprobs - logprobs
+    assert row["objective/kl"] == pytest.approx((0.5 - 1.0 + 0.0 + 1.0) / 2)
+    assert row["objective/kl_k2"] == pytest.approx((0.125 + 0.5 + 0.0 + 0.5) / 2)
+    assert row["objective/kl_k3"] == pytest.approx(((log_r.exp() - 1 - log_r).sum(1)).mean().item())
+    assert row["ppo/policy/approxkl"] == pytest.approx(0.07 / 3) and row["ppo/policy/approxkl_max"] == pytest.approx(
+        0.04
+    )
+    assert row["objective/kl_coef"] == 0.1 and row["ppo/episode"] == 16 and row["update"] == 2

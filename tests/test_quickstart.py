@@ -232,7 +232,7 @@ def test_reward_queries_leave_out_exactly_the_policys_held_out_texts(gpt2_tokeni
              "--task.query-dataset", str(corpus), "--task.query-length", "8", "--task.response-length", "8", "--task.truncate-after", "4",
              "--task.gold-labeler", "sentiment", "--eval-queries", "5", "--task.passage-rows", "1",
              "--task.start-text", "", "--task.end-text", ""]  # fmt: skip
-    _, held_out = train_policy_accelerate.held_out_texts(quickstart.script_args(train_policy_accelerate, flags))
+    _, held_out = quickstart.held_out_texts(quickstart.script_args(train_policy_accelerate, flags))
     kept, held = write_reward_queries(flags, tmp_path / "reward_queries.jsonl")
     written = [row["text"] for row in read_jsonl(tmp_path / "reward_queries.jsonl")]
     assert (kept, held) == (len(written), len(held_out))

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import dominated_lm, one_line_error, tiny_gpt2_config
 from transformers import (
     AutoModel,
     AutoModelForCausalLM,
@@ -32,10 +33,6 @@ import train_reward_accelerate as R
 PAD = 50257  # GPT-2's [PAD]: one past the 50257-token vocabulary
 EOS = 50256
 DOT = 13  # '.'
-
-
-def tiny_gpt2_config(**kwargs) -> GPT2Config:
-    return GPT2Config(n_layer=2, n_head=4, n_embd=64, **kwargs)
 
 
 def tiny_llama_config(**kwargs) -> LlamaConfig:
@@ -64,25 +61,6 @@ def gpt2_dir(tmp_path_factory, gpt2_tokenizer_dir):
     GPT2LMHeadModel(tiny_gpt2_config()).save_pretrained(directory)
     R.load_tokenizer(str(gpt2_tokenizer_dir)).save_pretrained(directory)
     return directory
-
-
-def dominated_lm(token_id: int) -> GPT2LMHeadModel:
-    """A tiny GPT-2 that emits `token_id` with probability ~1 at every position: the final layer norm outputs a
-    constant vector of ones and only the LM-head row of `token_id` is non-zero (logit 64 vs 0 for the rest)."""
-    torch.manual_seed(0)
-    lm = GPT2LMHeadModel(tiny_gpt2_config(tie_word_embeddings=False)).eval()
-    with torch.no_grad():
-        lm.transformer.ln_f.weight.zero_()
-        lm.transformer.ln_f.bias.fill_(1.0)
-        lm.lm_head.weight.zero_()
-        lm.lm_head.weight[token_id] = 1.0
-    return lm
-
-
-def one_line_error(failure: pytest.ExceptionInfo) -> str:
-    message = str(failure.value.code)
-    assert message.startswith("error: ") and "\n" not in message, message
-    return message
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -189,7 +167,7 @@ def test_reward_head_init_std_is_one_over_sqrt_d_plus_one_bias_zero_gain_one():
 
 def test_saved_reward_model_loads_in_the_policy_script_and_scores_identically(gpt2_dir, tokenizer, tmp_path):
     torch.manual_seed(0)
-    model = R.RewardModel(R.load_pretrained(AutoModel, str(gpt2_dir)), PAD).eval()
+    model = R.BestOfNRewardModel(R.load_pretrained(AutoModel, str(gpt2_dir)), PAD).eval()
     with torch.no_grad():
         model.reward_gain.fill_(2.5)
         model.reward_bias.fill_(-0.75)
@@ -220,7 +198,7 @@ def test_check_reward_model_rejects_a_non_reward_directory(tmp_path, tokenizer):
 def test_reward_reads_the_last_real_token_whatever_the_padding(gpt2_dir):
     """query ⊕ truncated response (pads in the middle of the row) scores like the unpadded real tokens."""
     torch.manual_seed(0)
-    model = R.RewardModel(R.load_pretrained(AutoModel, str(gpt2_dir)), PAD).eval()
+    model = R.BestOfNRewardModel(R.load_pretrained(AutoModel, str(gpt2_dir)), PAD).eval()
     query, response = torch.tensor([[15496, 995]]), torch.tensor([[23073, 11, 339, 13]])
     padded_query, padded_response = torch.tensor([[PAD, PAD, 15496, 995]]), torch.tensor([[23073, 11, 339, 13, PAD]])
     with torch.no_grad():
@@ -262,13 +240,13 @@ def test_responses_sharing_their_query_score_and_train_like_one_row_each(family,
     else:
         backbone, vocab_size, pad_id = LlamaModel(tiny_llama_config()), 1000, 1000
     backbone.config._attn_implementation = attention
-    model = R.RewardModel(backbone, pad_id).train()
+    model = R.BestOfNRewardModel(backbone, pad_id).train()
     if checkpointing:
         run_utils.enable_gradient_checkpointing(backbone)
     queries, responses = records_with_every_kind_of_padding(vocab_size, pad_id)
     best = torch.tensor([0, 2, 1, 0])
     gradients = []
-    for rewards_of in (one_row_per_response, R.RewardModel.forward):
+    for rewards_of in (one_row_per_response, R.BestOfNRewardModel.forward):
         rewards = rewards_of(model, queries, responses)
         F.cross_entropy(rewards, best).backward()
         gradients.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
@@ -288,7 +266,7 @@ def test_responses_sharing_their_query_see_only_the_query_and_themselves():
     """Guard that the test above can fail: a response's reward changes with its own tokens and its query's, never
     with another response's."""
     torch.manual_seed(0)
-    model = R.RewardModel(GPT2Model(tiny_gpt2_config()), PAD).eval()
+    model = R.BestOfNRewardModel(GPT2Model(tiny_gpt2_config()), PAD).eval()
     queries, responses = records_with_every_kind_of_padding(50257, PAD)
     changed = responses.clone()
     changed[0, 0, 0] = (changed[0, 0, 0] + 1) % 50257
@@ -459,7 +437,7 @@ def test_normalize_reward_sets_population_mean_0_std_1(gpt2_dir):
     args.task = R.TaskHParams(response_length=3, temperature=0.7)
     ref_lm = dominated_lm(DOT)  # samples '.' every time: scores depend on the queries only
     torch.manual_seed(0)
-    model = R.RewardModel(R.load_pretrained(AutoModel, str(gpt2_dir)), PAD).eval()
+    model = R.BestOfNRewardModel(R.load_pretrained(AutoModel, str(gpt2_dir)), PAD).eval()
     generator = torch.Generator().manual_seed(2)
     queries = torch.randint(0, 50257, (8, 5), generator=generator)
     queries[:3, :2] = PAD  # some left padding

@@ -23,11 +23,13 @@ import train_reward_accelerate
 
 SCRIPTS = {"reward": REPO / "train_reward_accelerate.py", "policy": REPO / "train_policy_accelerate.py"}
 MODULES = {"reward": train_reward_accelerate, "policy": train_policy_accelerate}
-BLOCK_START, BLOCK_END = "# The pipeline both scripts share", "# End of the shared pipeline."
-SCRIPT_SPECIFIC = {"main", "validate_args", "read_inputs", "RESUME_MAY_CHANGE", "TLDR_OVERRIDES", "TASK_OVERRIDES",
-                   "task_defaults", "timing_stats"}  # fmt: skip
-"""Defined in both scripts and different by design: entry point, flag and input checks, per-process sizes, each
-script's own Args at a task's defaults, the timing of a step (a reward step, a PPO update)."""
+BLOCKS = (("# The pipeline both scripts share", "# End of the shared pipeline."),
+          ("# Speed substitutions", "# End of the speed substitutions."))  # fmt: skip
+"""The two shared blocks' banners: the pipeline (above main) and the speed substitutions it calls (below main)."""
+SCRIPT_SPECIFIC = {"main", "validate_args", "read_inputs", "RESUME_MAY_CHANGE", "DRY_RUN_SIZES", "TLDR_OVERRIDES",
+                   "TASK_OVERRIDES", "task_defaults"}  # fmt: skip
+"""Defined in both scripts and different by design: entry point, flag and input checks, per-process sizes, the sizes
+a dry run prints, each script's own Args at a task's defaults."""
 
 
 def is_config_class(name: str) -> bool:
@@ -100,17 +102,33 @@ def test_config_fields_in_both_scripts_agree(definitions):
 
 
 def shared_block(path: Path) -> str:
-    lines = path.read_text().splitlines(keepends=True)
-    starts = [i - 1 for i, line in enumerate(lines) if line.startswith(BLOCK_START)]  # from the banner's rule
-    ends = [i + 1 for i, line in enumerate(lines) if line.startswith(BLOCK_END)]
-    assert len(starts) == 1 and len(ends) == 1 and starts[0] < ends[0], f"{path.name}: shared block banners"
-    return "".join(lines[starts[0] : ends[0] + 1])
+    """Both shared blocks of a script, banners included, one after the other."""
+    lines, blocks = path.read_text().splitlines(keepends=True), []
+    for start, end in BLOCKS:
+        starts = [i - 1 for i, line in enumerate(lines) if line.startswith(start)]  # from the banner's rule
+        ends = [i + 1 for i, line in enumerate(lines) if line.startswith(end)]
+        assert len(starts) == 1 and len(ends) == 1 and starts[0] < ends[0], f"{path.name}: {start!r} banners"
+        blocks.append("".join(lines[starts[0] : ends[0] + 1]))
+    return "".join(blocks)
 
 
 def test_shared_block_is_byte_identical():
     reward, policy = (shared_block(path) for path in SCRIPTS.values())
-    assert "def right_padding_to_left_padding(" in reward
+    assert "def right_padding_to_left_padding(" in reward and "def draw_tokens(" in reward
     assert reward == policy
+
+
+def test_the_paper_comes_before_main_and_the_machine_after():
+    """The algorithm is read from the first line to the end of main: the speed substitutions and the tooling (input
+    checks, loading, records, saving) sit below it, and nothing above it calls run tooling but main itself."""
+    below = {"validate_args", "read_inputs", "task_defaults", "head_product", "draw_tokens", "fused_gelu",
+             "cache_argument", "save_policy", "save_reward_model", "load_models", "record_update", "record_step"}  # fmt: skip
+    for path in SCRIPTS.values():
+        body = ast.parse(path.read_text()).body
+        main_index = next(i for i, node in enumerate(body) if getattr(node, "name", None) == "main")
+        above = {node.name for node in body[:main_index] if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+        assert not above & below, (path.name, above & below)
+        assert isinstance(body[-1], ast.If) and "__main__" in ast.unparse(body[-1].test)  # the entry point is last
 
 
 def name_uses(tree: ast.Module, name: str) -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from conftest import read_jsonl, run_script, synthetic_sentences
+from conftest import one_line_error, read_jsonl, run_script, synthetic_sentences
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import rlhf_data
@@ -59,12 +59,6 @@ def reward_args(*flags: str) -> R.Args:
 
 def policy_args(*flags: str) -> P.Args:
     return P.validate_args(run_utils.task_cli(P.task_defaults, ["--rewards.trained-model", "x", *flags]))
-
-
-def one_line_error(failure: pytest.ExceptionInfo) -> str:
-    message = str(failure.value.code)
-    assert message.startswith("error: ") and "\n" not in message, message
-    return message
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -356,11 +350,11 @@ def test_policy_rollout_samples_from_the_contexts_and_scores_the_bare_queries(to
                               temperature=0.7, penalty_reward_value=-1.0)  # fmt: skip
     policy, ref_lm, reward = P.PolicyAndValueWrapper(tiny_lm(0)), tiny_lm(1), RecordingReward()
     torch.manual_seed(0)
-    responses = P.generate_responses(policy.lm, contexts, PAD, args)
+    responses = P.generate_responses(policy.lm, contexts, PAD, args.task.response_length, 0.7, 2)
     logprobs, ref_logprobs, _ = P.rollout_logprobs(
         policy, ref_lm, torch.cat([contexts, responses], 1), contexts.shape[1], PAD, 0.7, 2
     )
-    postprocessed, _ = P.score_responses(reward, queries, responses, NEWLINE, args)
+    postprocessed, _ = P.score_responses(reward, queries, responses, NEWLINE, args.task, 2)
     seen = torch.cat(reward.seen)  # 2 chunks
     assert len(reward.seen) == 2 and torch.equal(seen, torch.cat([queries, postprocessed], 1))
     query_responses = torch.cat([contexts, responses], 1)  # what both policies read
@@ -389,11 +383,7 @@ def test_reward_script_samples_from_the_contexts_and_scores_the_bare_queries(tok
     queries, responses, _ = R.sample_and_score(ref_lm, reward, stream, 4, args)
     assert queries.shape == (4, 6) and torch.equal(generated[0], stream.format(queries))
     assert torch.equal(reward.seen[0], torch.cat([queries, responses], 1))
-    run = types.SimpleNamespace(
-        progress=lambda iterable, description: iterable, load_partial=lambda name: None, stop_requested=lambda: 0
-    )  # a fresh run that nobody stops
-    monkeypatch.setattr(R, "gather_object", lambda records: records)
-    records = R.simulate_labels(run, ref_lm, stream, tokenizer, NEWLINE, args)
+    records = R.label_records(ref_lm, stream, tokenizer, NEWLINE, 4, args)
     assert len(records) == 4 and all(len(r["query"]) == 6 for r in records)
     bare = torch.tensor([r["query"] for r in records])  # right-padded with OAI's pad, like OAI's files
     bare = R.right_padding_to_left_padding(torch.where(bare == OPENAI_PAD, PAD, bare), PAD)
