@@ -294,8 +294,8 @@ def test_aws_parallelcluster_config():
             assert resource["InstanceType"].split(".")[0] in ("p4d", "p4de", "p5", "p5e", "p5en"), "8-GPU instances"
             assert resource["MinCount"] == 0 < resource["MaxCount"]
     assert any(s["MountDir"] and s["StorageType"] in ("Efs", "FsxLustre", "Ebs") for s in config["SharedStorage"])
-    # the README walks through this file and uses its queue names as partitions
-    readme = (BENCHMARK / "README.md").read_text()
+    # docs/clusters.md walks through this file and uses its queue names as partitions
+    readme = (REPO_ROOT / "docs" / "clusters.md").read_text()
     assert "benchmark/launch/aws/pcluster.yaml" in readme
     for name in names:
         assert f"--slurm-partition {name}" in readme, name

@@ -9,7 +9,8 @@
 #   bash benchmark/launch/core.sh --dry-run                                   # print the commands, run nothing
 #   bash benchmark/launch/core.sh                                             # this machine, one seed after another
 #   bash benchmark/launch/core.sh --slurm --workers 10 --slurm-partition gpu  # 2 Slurm array jobs of 10 seeds
-# then: python -m benchmark.openai.compare_reported --task sentiment --runs "ours=runs/core/sentiment/policy_*" (README)
+# then (docs/reproduce.md): python -m benchmark.openai.compare_reported --task sentiment \
+#           --runs "ours=runs/core/sentiment/policy_*"
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 

@@ -84,7 +84,7 @@ class Args:
     """cpu scale: every run at quickstart.py --smoke sizes (the machinery in a few minutes, no result)"""
     threads: Optional[int] = None
     """cpu scale: CPU threads per quick start (default: the quick start's, every core). On 2 cores `--threads 1
-    --launcher-args="--workers 3"` runs the 3 seeds' chains side by side (benchmark/README.md: 1.17x the throughput)"""
+    --launcher-args="--workers 3"` runs the 3 seeds' chains side by side (docs/controlled.md: 1.17x the throughput)"""
     launcher_args: str = ""
     """extra flags of benchmark/launch/launcher.py, e.g. "--slurm --slurm-gpus-per-task 8 --slurm-partition gpu" """
     processes: int = 8

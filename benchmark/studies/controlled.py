@@ -42,7 +42,7 @@ DIRECT = "direct"
 # sampling ~49 s per 608 label queries, training 97 s per 480 labels, ~25 s of start-up, normalization and test;
 # a policy run ~150 s with its 5 evaluations; a sampling run ~110 s per 1,000 samples of each of its 2 evaluations.
 # On a 2-vCPU AMD EPYC with avx512_bf16 a policy run took 207-217 s (1.4x), and 3 of them side by side at 1 thread
-# each 544 s, 1.17x the throughput of one at a time at 2 threads (benchmark/README.md)
+# each 544 s, 1.17x the throughput of one at a time at 2 threads (docs/controlled.md)
 CPU_SECONDS = dict(reward_fixed=25.0, reward_per_label=49 / 608 + 97 / 480, policy=150.0, per_sample=0.11)
 # as benchmark/studies/ablations.py: estimates, not measured (an initial-policy sampling: one update, 64 x 32 samples)
 PAPER_GPU_HOURS = {"reward": 8 * 10 / 60, "policy": 8 * 1.5, "sampling": 8 * 5 / 60}
@@ -71,7 +71,7 @@ class Args:
     """where the runs go (default runs/controlled/SCALE)"""
     threads: Optional[int] = None
     """CPU threads per quick start (default: the quick start's, every core). On 2 cores `--threads 1 --launcher-args=
-    "--workers 3"` runs the 3 seeds' chains side by side (see benchmark/README.md for the measured gain)"""
+    "--workers 3"` runs the 3 seeds' chains side by side (see docs/controlled.md for the measured gain)"""
     launcher_args: str = ""
     """extra flags of benchmark/launch/launcher.py, e.g. "--slurm --slurm-gpus-per-task 8 --slurm-partition gpu" """
     dry_run: bool = False
