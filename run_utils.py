@@ -85,7 +85,7 @@ class RunArgs:
     models: one more forward per backward; same math to float rounding)"""
     peak_tflops: Optional[float] = None
     """the device's peak TFLOP/s (per process); with it, MFU (model FLOPs per second / peak) is logged as time/mfu_*
-    (benchmark/throughput.py measures a peak with a matmul benchmark)"""
+    (benchmark/speed/throughput.py measures a peak with a matmul benchmark)"""
     gpu_memory_gb: Optional[float] = None
     """the GPU memory per process (GB, 2^30 bytes) that --dry-run checks its estimated peak against (docs/memory.md);
     default: the visible GPU's, when there is one"""
@@ -1130,7 +1130,9 @@ def flags_that_fit(args, processes: int, zero_stage: int, budget: float) -> Opti
         "gradient_accumulation_steps", "--gradient-accumulation-steps")  # fmt: skip
     current = args.ppo.gradient_accumulation_steps if policy else args.gradient_accumulation_steps
     more = 8 if processes < 8 else 2 * processes
-    zero2 = f"{more} processes under ZeRO-2 in fp32 (accelerate launch --config_file benchmark/deepspeed_zero2.yaml)"
+    zero2 = (
+        f"{more} processes under ZeRO-2 in fp32 (accelerate launch --config_file benchmark/launch/deepspeed_zero2.yaml)"
+    )
     options = [({}, "", processes, zero_stage),
                ({"gradient_checkpointing": True}, "--gradient-checkpointing", processes, zero_stage),
                ({"mixed_precision": "bf16"}, "--mixed-precision bf16", processes, zero_stage),

@@ -14,8 +14,8 @@ import torch
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 import run_utils
-from benchmark.tiny_task import synthetic_sentences, write_tiny_gpt2
 from quickstart_assets import prepare_gpt2_tokenizer
+from tests.tiny_task import synthetic_sentences, write_tiny_gpt2
 
 REPO = Path(__file__).resolve().parents[1]
 """The repository root."""
@@ -80,9 +80,9 @@ def write_synthetic_labels(path: Path, tokenizer_dir: Path, n: int, seed: int = 
 
 def tiny_gpt2_from_cache(directory: Path, tokenizer_dir: Path, corpus: list[str], **recipe) -> Path:
     """write_tiny_gpt2's model copied to `directory`: built once into `.cache/` for both workers and later sessions
-    (11 s), keyed by everything that makes its bytes, which are the same on every machine (benchmark/tiny_task.py)."""
+    (11 s), keyed by everything that makes its bytes, which are the same on every machine (tests/tiny_task.py)."""
     key = hashlib.sha256()
-    for part in (REPO / "benchmark" / "tiny_task.py", tokenizer_dir / "tokenizer.json"):
+    for part in (REPO / "tests" / "tiny_task.py", tokenizer_dir / "tokenizer.json"):
         key.update(part.read_bytes())
     key.update(json.dumps([corpus, recipe]).encode())
     cached = REPO / ".cache" / f"tiny-gpt2-{key.hexdigest()[:16]}"
@@ -112,11 +112,13 @@ def tiny_assets(gpt2_tokenizer_dir, tmp_path_factory) -> dict[str, Path]:
 
 
 def script_command(script: str, flags, nproc: int = 1) -> list[str]:
-    """The command line of a training script: python, or torchrun for several CPU processes."""
+    """The command line of a training script (a file) or a tool (a module, e.g. benchmark.openai.replay): python, or
+    torchrun for several CPU processes."""
+    target = [str(REPO / script)] if script.endswith(".py") else ["-m", script]
     if nproc == 1:
-        return [sys.executable, str(REPO / script), *flags]
+        return [sys.executable, *target, *flags]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            str(REPO / script), *flags]  # fmt: skip
+            *target, *flags]  # fmt: skip
 
 
 def script_environment(nproc: int = 1, env=None) -> dict:

@@ -1,5 +1,5 @@
-"""benchmark/ablations.py: each arm's flags are accepted by the scripts and change exactly the detail it names; the
-dry run prints every arm's commands; the report's numbers from runs laid out as the suite writes them."""
+"""benchmark/studies/ablations.py: each arm's flags are accepted by the scripts and change exactly the detail it names;
+the dry run prints every arm's commands; the report's numbers from runs laid out as the suite writes them."""
 
 import dataclasses
 import json
@@ -9,13 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
 
 import quickstart
 import run_utils
 import train_policy_accelerate as P
 import train_reward_accelerate as R
-from benchmark import ablations
+from benchmark.studies import ablations
+from tests.conftest import REPO
 
 
 def flat(config, prefix: str = "") -> dict:
@@ -78,7 +78,7 @@ def test_each_arm_changes_exactly_its_detail_in_the_commands_the_suite_runs(scal
 @pytest.mark.parametrize("scale", ["cpu", "paper"])
 def test_dry_run_prints_every_arms_commands_and_runs_nothing(scale, tmp_path):
     out = tmp_path / "abl"
-    command = [sys.executable, str(REPO / "benchmark" / "ablations.py"), "--scale", scale, "--dry-run",
+    command = [sys.executable, "-m", "benchmark.studies.ablations", "--scale", scale, "--dry-run",
                "--output-dir", str(out), "--num-seeds", "3"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -110,7 +110,7 @@ def test_dry_run_prints_every_arms_commands_and_runs_nothing(scale, tmp_path):
 
 
 def test_report_of_a_missing_study_is_one_line(tmp_path):
-    command = [sys.executable, str(REPO / "benchmark" / "ablations.py"), "--report-only", "--output-dir",
+    command = [sys.executable, "-m", "benchmark.studies.ablations", "--report-only", "--output-dir",
                str(tmp_path / "none")]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode != 0 and "Traceback" not in result.stderr
@@ -119,7 +119,7 @@ def test_report_of_a_missing_study_is_one_line(tmp_path):
 
 
 def test_unknown_arm_is_one_line():
-    result = subprocess.run([sys.executable, str(REPO / "benchmark" / "ablations.py"), "--arms", "nope", "--dry-run"],
+    result = subprocess.run([sys.executable, "-m", "benchmark.studies.ablations", "--arms", "nope", "--dry-run"],
                             capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error: --arms nope")
@@ -197,7 +197,7 @@ def test_seeds_side_by_side_get_their_threads_and_the_launcher_its_workers(tmp_p
         words = shlex.split(line.split(" || ")[-1])
         options = quickstart.parse_args(quickstart.build_parser(), [w.replace("{seed}", "1") for w in words[2:]])
         assert options.threads == 1, line
-    bad = subprocess.run([sys.executable, str(REPO / "benchmark" / "ablations.py"), "--dry-run", "--threads", "0"],
+    bad = subprocess.run([sys.executable, "-m", "benchmark.studies.ablations", "--dry-run", "--threads", "0"],
                          capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
     assert bad.returncode == 1 and bad.stderr.strip() == "error: --threads must be >= 1"
 

@@ -14,9 +14,9 @@ import time
 import traceback
 
 import pytest
-from conftest import run_script
 
 import run_utils
+from tests.conftest import run_script
 
 REWARD = "train_reward_accelerate.py"
 POLICY = "train_policy_accelerate.py"

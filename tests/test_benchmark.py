@@ -12,14 +12,15 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from conftest import tracked_files
 
 import run_utils
-from benchmark import benchmark as launcher
+from benchmark.launch import launcher
+from tests.conftest import tracked_files
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 BENCHMARK = REPO_ROOT / "benchmark"
+LAUNCH = BENCHMARK / "launch"
 # suite file -> number of training commands in it (one per --command, not per seed)
 SUITE_COMMAND_COUNTS = {
     "core.sh": 4,  # sentiment, descriptiveness x (reward, policy)
@@ -45,12 +46,12 @@ def test_seeded_commands_fill_seed_and_append_it():
 
 
 def test_every_suite_is_counted():
-    assert sorted(p.name for p in BENCHMARK.glob("*.sh")) == sorted(SUITE_COMMAND_COUNTS)
+    assert sorted(p.name for p in LAUNCH.glob("*.sh")) == sorted(SUITE_COMMAND_COUNTS)
 
 
 @pytest.mark.parametrize("suite", sorted(SUITE_COMMAND_COUNTS))
-def test_benchmark_commands_extracts_every_training_command(suite):
-    commands = launcher.benchmark_commands(BENCHMARK / suite)
+def test_suite_commands_extracts_every_training_command(suite):
+    commands = launcher.suite_commands(LAUNCH / suite)
     assert len(commands) == SUITE_COMMAND_COUNTS[suite]
     for argv in commands:
         world_size, script_argv = launcher.training_script_args(argv)
@@ -65,7 +66,7 @@ def test_benchmark_commands_extracts_every_training_command(suite):
 def test_suite_chains_give_each_policy_its_own_seeds_reward_model():
     for suite in SUITE_COMMAND_COUNTS:
         reward_dirs = []
-        for argv in launcher.benchmark_commands(BENCHMARK / suite):
+        for argv in launcher.suite_commands(LAUNCH / suite):
             script = launcher.training_script_args(argv)[1][0]
             if script == "train_reward_accelerate.py":
                 reward_dirs.append(flag_value(argv, "--output-dir"))
@@ -79,19 +80,19 @@ def test_suite_output_dirs_are_all_different():
     output_dirs = [
         flag_value(argv, "--output-dir")
         for suite in SUITE_COMMAND_COUNTS
-        for argv in launcher.benchmark_commands(BENCHMARK / suite)
+        for argv in launcher.suite_commands(LAUNCH / suite)
     ]
     assert len(output_dirs) == len(set(output_dirs))
 
 
 def test_suites_state_gpus_and_time_for_every_launch():
     for suite in SUITE_COMMAND_COUNTS:
-        text = (BENCHMARK / suite).read_text()
+        text = (LAUNCH / suite).read_text()
         assert re.search(r"Resources per seed: .*GPU", text), suite
         assert re.search(r"Time per seed", text), suite
         lines = text.splitlines()
         for i, line in enumerate(lines):
-            if line.startswith("python benchmark/benchmark.py"):
+            if line.startswith("python -m benchmark.launch.launcher"):
                 assert lines[i - 1].startswith("#") and "GPU" in lines[i - 1], f"{suite}:{i + 1}: say the GPU count"
                 end = next(j for j in range(i, len(lines)) if not lines[j].endswith("\\"))
                 launch = " ".join(lines[i : end + 1])
@@ -110,7 +111,7 @@ def test_training_script_args_counts_processes():
         "accelerate",
         "launch",
         "--config_file",
-        "benchmark/deepspeed_zero2.yaml",
+        "benchmark/launch/deepspeed_zero2.yaml",
         "train_policy_accelerate.py",
     ]
     assert split(deepspeed) == (8, ["train_policy_accelerate.py"])
@@ -119,8 +120,10 @@ def test_training_script_args_counts_processes():
 
 
 def run_launcher(*flags: str, cwd: Path) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(BENCHMARK / "benchmark.py"), *flags]
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=120)
+    """The launcher run as a module in `cwd`, where its commands run (the repository on PYTHONPATH)."""
+    command = [sys.executable, "-m", "benchmark.launch.launcher", *flags]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_local_runs_chain_commands_per_seed_and_report_failures(tmp_path):
@@ -242,7 +245,7 @@ def test_deepspeed_zero2_config_keeps_openai_math():
     from accelerate.commands.config.config_args import load_config_from_file
     from accelerate.utils import DeepSpeedPlugin
 
-    path = BENCHMARK / "deepspeed_zero2.yaml"
+    path = LAUNCH / "deepspeed_zero2.yaml"
     config = load_config_from_file(str(path))  # accelerate's own loader: rejects unknown keys
     assert config.distributed_type == "DEEPSPEED" and config.num_processes == 8 and config.mixed_precision == "no"
     ds = config.deepspeed_config
@@ -266,7 +269,7 @@ def test_deepspeed_zero2_config_keeps_openai_math():
 
 
 def test_aws_parallelcluster_config():
-    config = yaml.safe_load((BENCHMARK / "aws" / "pcluster.yaml").read_text())
+    config = yaml.safe_load((LAUNCH / "aws" / "pcluster.yaml").read_text())
     for key in ("Region", "Image", "HeadNode", "Scheduling", "SharedStorage"):
         assert key in config, key
     assert config["Image"]["Os"] in (
@@ -291,13 +294,32 @@ def test_aws_parallelcluster_config():
             assert resource["InstanceType"].split(".")[0] in ("p4d", "p4de", "p5", "p5e", "p5en"), "8-GPU instances"
             assert resource["MinCount"] == 0 < resource["MaxCount"]
     assert any(s["MountDir"] and s["StorageType"] in ("Efs", "FsxLustre", "Ebs") for s in config["SharedStorage"])
-    # the README walks through this file and uses its queue names as partitions
-    readme = (BENCHMARK / "README.md").read_text()
-    assert "benchmark/aws/pcluster.yaml" in readme
+    # docs/clusters.md walks through this file and uses its queue names as partitions
+    readme = (REPO_ROOT / "docs" / "clusters.md").read_text()
+    assert "benchmark/launch/aws/pcluster.yaml" in readme
     for name in names:
         assert f"--slurm-partition {name}" in readme, name
-    placeholders = re.findall(r"REPLACE_ME\w*", (BENCHMARK / "aws" / "pcluster.yaml").read_text())
+    placeholders = re.findall(r"REPLACE_ME\w*", (LAUNCH / "aws" / "pcluster.yaml").read_text())
     assert placeholders and all(p in readme for p in set(placeholders))
+
+
+def test_every_benchmark_path_and_module_the_repository_names_exists():
+    """The paths under benchmark/ and tests/ and the `python -m benchmark...` modules that the docs, the tools and the
+    tests name exist (placeholders and the results directory aside): a file that moves takes its mentions along."""
+    import importlib.util
+
+    missing = []
+    for path in tracked_files():
+        if path.suffix not in (".py", ".md", ".sh", ".slurm", ".yaml", ".toml", ".txt"):
+            continue
+        text = path.read_text()
+        for name in re.findall(r"(?<![\w./-])((?:benchmark|tests)/[\w./-]*[\w/])", text):
+            if not (REPO_ROOT / name).exists() and not re.search(r"/X\.|^benchmark/results", name):
+                missing.append(f"{path.relative_to(REPO_ROOT)}: {name}")
+        for module in re.findall(r"-m (benchmark(?:\.\w+)+)", text):
+            if "ROOM" not in module and importlib.util.find_spec(module) is None:
+                missing.append(f"{path.relative_to(REPO_ROOT)}: {module}")
+    assert not missing, missing
 
 
 def test_no_machine_specific_paths_in_benchmark_files():

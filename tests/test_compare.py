@@ -1,8 +1,9 @@
-"""benchmark/compare.py offline: synthetic run directories, OpenAI's wandb metric mapping with fake runs, and the
-fast fallback to the checked-in table when wandb cannot be reached."""
+"""benchmark/openai/compare_reported.py offline: synthetic run directories, OpenAI's wandb metric mapping with fake
+runs, and the fast fallback to the checked-in table when wandb cannot be reached."""
 
 import json
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmark import compare
+from benchmark.openai import compare_reported as compare
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,8 +48,10 @@ def policy_runs(tmp_path: Path) -> Path:
 
 
 def run_compare(*flags: str, cwd: Path) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(REPO_ROOT / "benchmark" / "compare.py"), *flags]
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=120)
+    """The tool run as a module in `cwd` (the repository on PYTHONPATH)."""
+    command = [sys.executable, "-m", "benchmark.openai.compare_reported", *flags]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_offline_compare_falls_back_fast_and_writes_everything(policy_runs, tmp_path):
@@ -84,8 +87,9 @@ def test_offline_compare_falls_back_fast_and_writes_everything(policy_runs, tmp_
 def test_compare_wandb_only_fails_fast_offline(policy_runs, tmp_path, monkeypatch):
     # a closed local port stands in for an unreachable wandb, whatever this machine's network is
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmark" / "compare.py"), "--runs", f"ours={policy_runs}/policy_*"]
+        [sys.executable, "-m", "benchmark.openai.compare_reported", "--runs", f"ours={policy_runs}/policy_*"]
         + ["--openai-source", "wandb", "--output-dir", str(tmp_path / "out")],
+        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=60,
@@ -233,13 +237,15 @@ def test_final_value_and_spread():
 
 
 def test_reference_table_intervals():
-    table = compare.load_reference_table(str(REPO_ROOT / "benchmark" / "openai_reference.csv"), "sentiment")
+    table = compare.load_reference_table(
+        str(REPO_ROOT / "benchmark" / "openai" / "reported_end_values.csv"), "sentiment"
+    )
     score = table["objective/scores"]
     assert (score.value, score.low, score.high) == (1.85, 0.75, 2.65)  # widened to OpenAI's seed range
     kl_coef = table["objective/kl_coef"]
     assert (kl_coef.low, kl_coef.high) == pytest.approx((0.2, 0.3))
     descriptiveness = compare.load_reference_table(
-        str(REPO_ROOT / "benchmark" / "openai_reference.csv"), "descriptiveness"
+        str(REPO_ROOT / "benchmark" / "openai" / "reported_end_values.csv"), "descriptiveness"
     )
     assert descriptiveness["objective/scores"].value == 2.28 and descriptiveness["objective/kl_coef"].value == 0.32
 

@@ -1,4 +1,4 @@
-"""benchmark/controlled.py, the controlled experiment: the commands it runs are the ones it means (parsed by the
+"""benchmark/studies/controlled.py, the controlled experiment: the commands it runs are the ones it means (parsed by the
 quick start and by the training scripts), the dry run and estimate, and the report's numbers from runs laid out as
 the quick start writes them."""
 
@@ -12,15 +12,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO
 
 import quickstart
 import run_utils
 import train_policy_accelerate as P
 import train_reward_accelerate as R
-from benchmark import controlled
+from benchmark.studies import controlled
+from tests.conftest import REPO
 
-SCRIPT = str(REPO / "benchmark" / "controlled.py")
+SCRIPT = ["-m", "benchmark.studies.controlled"]  # run from the repository root
 ARGS = controlled.Args(label_budgets=(96, 480, 1536))
 
 
@@ -79,7 +79,7 @@ def test_each_run_trains_what_its_directory_says(tmp_path):
 
 def test_seeds_side_by_side_get_their_threads_and_the_launcher_its_workers(tmp_path):
     out = tmp_path / "study"
-    result = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--output-dir", str(out), "--threads", "1",
+    result = subprocess.run([sys.executable, *SCRIPT, "--dry-run", "--output-dir", str(out), "--threads", "1",
                              "--launcher-args=--workers 3"], capture_output=True, text=True, timeout=120,
                             cwd=REPO)  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -92,7 +92,7 @@ def test_seeds_side_by_side_get_their_threads_and_the_launcher_its_workers(tmp_p
         assert words[words.index("--threads") + 1] == "1", line
     for options, _, _ in seed_1_flags(dataclasses.replace(ARGS, threads=1), out):
         assert options.threads == 1
-    bad = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--threads", "0"], capture_output=True, text=True,
+    bad = subprocess.run([sys.executable, *SCRIPT, "--dry-run", "--threads", "0"], capture_output=True, text=True,
                          timeout=120, cwd=REPO)  # fmt: skip
     assert bad.returncode == 1 and bad.stderr.strip() == "error: --threads must be >= 1"
 
@@ -125,7 +125,7 @@ def test_the_paper_scale_commands_parse_and_use_simulated_labels(tmp_path):
 
 def test_dry_run_prints_the_estimate_and_every_command_and_runs_nothing(tmp_path):
     out = tmp_path / "study"
-    result = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--output-dir", str(out)], capture_output=True,
+    result = subprocess.run([sys.executable, *SCRIPT, "--dry-run", "--output-dir", str(out)], capture_output=True,
                             text=True, timeout=120, cwd=REPO)  # fmt: skip
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -135,7 +135,7 @@ def test_dry_run_prints_the_estimate_and_every_command_and_runs_nothing(tmp_path
     assert lines[0].startswith(f"39 quick starts, 39 left: ~{seconds / 3600:.1f} h on 2 cores"), lines[0]
     assert sum("python quickstart.py" in line for line in lines[1:-1]) == 15 and lines[-1].startswith("launcher: ")
     assert lines[-1].count("--command") == 15 and not out.exists()
-    bad = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--kl-coefs", "0"], capture_output=True, text=True,
+    bad = subprocess.run([sys.executable, *SCRIPT, "--dry-run", "--kl-coefs", "0"], capture_output=True, text=True,
                          timeout=120, cwd=REPO)  # fmt: skip
     assert bad.returncode == 1 and bad.stderr.strip().splitlines() == [
         "error: --label-budgets must be >= 8 labels each and --kl-coefs positive"

@@ -13,12 +13,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import tyro
-from conftest import run_script
 
 import rlhf_data
 import run_utils
 import train_policy_accelerate as P
 import train_reward_accelerate as R
+from tests.conftest import run_script
 
 PAD, DOT = 50257, 13
 WORDS = "the man woman dog walked ran looked into out of a house room garden slowly quietly and then ,".split()

@@ -1,8 +1,8 @@
 """DeepSpeed ZeRO-2 and multi-machine launches on 2 CPU processes (gloo), each against the plain 2-process DDP run.
 
-The ZeRO-2 runs are `benchmark/large_models.sh`'s own commands (`accelerate launch --config_file
-benchmark/deepspeed_zero2.yaml ...`) with the models and data swapped for tiny offline ones, 2 processes instead of 8,
-and tests/deepspeed_cpu.py in front of the script (on a machine without GPUs accelerate starts DeepSpeed without a
+The ZeRO-2 runs are `benchmark/launch/large_models.sh`'s own commands (`accelerate launch --config_file
+benchmark/launch/deepspeed_zero2.yaml ...`) with the models and data swapped for tiny offline ones, 2 processes instead
+of 8, and tests/deepspeed_cpu.py in front of the script (on a machine without GPUs accelerate starts DeepSpeed without a
 communication backend; that CPU-only fix stays here). Each run asserts that the DeepSpeed engine really trained:
 its checkpoints hold ZeRO's per-process optimizer partitions, which plain DDP never writes.
 
@@ -24,15 +24,23 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO, read_jsonl, run_script, script_environment
 from safetensors.torch import load_file
-from test_resume import POLICY, REWARD, assert_same_run, policy_flags, reward_flags, run_and_interrupt, without_timings
 
 import run_utils
-from benchmark.benchmark import benchmark_commands
+from benchmark.launch.launcher import suite_commands
+from tests.conftest import REPO, read_jsonl, run_script, script_environment
+from tests.test_resume import (
+    POLICY,
+    REWARD,
+    assert_same_run,
+    policy_flags,
+    reward_flags,
+    run_and_interrupt,
+    without_timings,
+)
 from train_policy_accelerate import load_reward_model
 
-ZERO2_CONFIG = "benchmark/deepspeed_zero2.yaml"
+ZERO2_CONFIG = "benchmark/launch/deepspeed_zero2.yaml"
 CPU_LAUNCH = str(REPO / "tests" / "deepspeed_cpu.py")
 # relative: the same sums in another order under gradient accumulation (the module docstring); ZERO2_RTOL=1 to measure
 RTOL = float(os.environ.get("ZERO2_RTOL", "1e-3"))
@@ -45,8 +53,8 @@ def free_port() -> int:
 
 
 def large_model_commands() -> list[list[str]]:
-    """The training commands of benchmark/large_models.sh, as the launcher would run them for seed 1."""
-    return benchmark_commands(REPO / "benchmark" / "large_models.sh")
+    """The training commands of benchmark/launch/large_models.sh, as the launcher would run them for seed 1."""
+    return suite_commands(REPO / "benchmark" / "launch" / "large_models.sh")
 
 
 def tiny(argv: list[str], values: dict[str, str], extra: list[str], nproc: int = 2) -> list[str]:
@@ -274,7 +282,7 @@ def test_bf16_under_deepspeed_is_refused_with_one_line(tiny_assets, ddp_reward, 
 
 def deepspeed_accelerator(**config) -> SimpleNamespace:
     """What check_launch reads of an Accelerator under DeepSpeed: the plugin's config as accelerate builds it from
-    benchmark/deepspeed_zero2.yaml, with `config` on top."""
+    benchmark/launch/deepspeed_zero2.yaml, with `config` on top."""
     from accelerate.utils import DeepSpeedPlugin
 
     plugin = DeepSpeedPlugin(zero_stage=2, gradient_clipping=0.0)
@@ -314,7 +322,11 @@ def test_the_pinned_deepspeed_is_the_tested_one():
 
     pinned = [line for line in (REPO / "requirements-deepspeed.txt").read_text().splitlines() if "==" in line]
     assert pinned == [f"deepspeed=={deepspeed.__version__}"] and deepspeed.__version__ not in run_utils.DEEPSPEED_BROKEN
-    for user in ("benchmark/large_models.sh", "benchmark/aws/pcluster.yaml", "benchmark/gpu/check.sh"):
+    for user in (
+        "benchmark/launch/large_models.sh",
+        "benchmark/launch/aws/pcluster.yaml",
+        "benchmark/launch/gpu/check.sh",
+    ):
         assert "requirements-deepspeed.txt" in (REPO / user).read_text(), user
 
 

@@ -6,12 +6,12 @@ import re
 
 import pytest
 import torch
-from conftest import read_jsonl, run_script
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train_policy_accelerate as P
 import train_reward_accelerate as R
+from tests.conftest import read_jsonl, run_script
 
 REWARD = "train_reward_accelerate.py"
 POLICY = "train_policy_accelerate.py"

@@ -1,8 +1,8 @@
-"""The air-gapped GPU node path, on this CPU: benchmark/gpu/prepare.sh builds a bundle (here for this Python) where
-PyPI is reachable; then, in a fresh virtual environment that has only a preinstalled PyTorch stack (torch 2.13 and
+"""The air-gapped GPU node path, on this CPU: benchmark/launch/gpu/prepare.sh builds a bundle (here for this Python)
+where PyPI is reachable; then, in a fresh virtual environment that has only a preinstalled PyTorch stack (torch 2.13 and
 the target stack's versions of transformers, accelerate, huggingface_hub, tokenizers), with the network cut
-(`unshare -n`) and its site-packages mounted read-only, benchmark/gpu/check.sh installs what the node lacks from the
-bundle, with no index, into a directory of its own, and writes its JSON lines. CI runs the tiny model's zero2 (on a
+(`unshare -n`) and its site-packages mounted read-only, benchmark/launch/gpu/check.sh installs what the node lacks from
+the bundle, with no index, into a directory of its own, and writes its JSON lines. CI runs the tiny model's zero2 (on a
 CPU: plain accelerate launch), reward and fp32 configurations; `RUNS` runs any other the same way. Also: check.sh's
 plan, and a configuration past its time limit."""
 
@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+
+from tests.conftest import REPO
 
 NODE_STACK = ["torch==2.13.0", "transformers==5.17.0", "accelerate==1.15.0", "huggingface_hub==1.33.0",
               "tokenizers==0.23.*", "safetensors", "numpy", "rich", "tensorboard", "tqdm"]  # fmt: skip
@@ -31,7 +32,7 @@ def test_every_module_level_import_of_the_check_path_is_in_the_node_stack_or_the
     allowed = {"torch", "transformers", "accelerate", "safetensors", "numpy", "rich", "tyro", "run_utils", "rlhf_data"}
     allowed.add("psutil")  # accelerate's dependency
     for name in ("train_reward_accelerate.py", "train_policy_accelerate.py", "run_utils.py", "rlhf_data.py",
-                 "quickstart_assets.py", "benchmark/throughput.py"):  # fmt: skip
+                 "quickstart_assets.py", "benchmark/speed/throughput.py"):  # fmt: skip
         tree = ast.parse((REPO / name).read_text())
         imported = {
             alias.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import) for alias in node.names
@@ -43,8 +44,8 @@ def test_every_module_level_import_of_the_check_path_is_in_the_node_stack_or_the
             module for module in imported if module not in sys.stdlib_module_names and module != "__future__"
         }
         assert third_party <= allowed, (name, third_party - allowed)
-    bundled = {line.split("==")[0] for line in (REPO / "benchmark/gpu/node-requirements.txt").read_text().splitlines()
-               if line and not line.startswith("#")}  # fmt: skip
+    requirements = (REPO / "benchmark/launch/gpu/node-requirements.txt").read_text().splitlines()
+    bundled = {line.split("==")[0] for line in requirements if line and not line.startswith("#")}
     assert "tyro" in bundled
 
 
@@ -53,8 +54,8 @@ def bundle(tmp_path_factory, gpt2_tokenizer_dir):
     out = tmp_path_factory.mktemp("bundle")
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     env = {**os.environ, "PYTHON_VERSION": version, "PYTHON": sys.executable}
-    result = subprocess.run(["bash", str(REPO / "benchmark/gpu/prepare.sh"), str(out)], capture_output=True, text=True,
-                            env=env, timeout=300)  # fmt: skip
+    result = subprocess.run(["bash", str(REPO / "benchmark/launch/gpu/prepare.sh"), str(out)], capture_output=True,
+                            text=True, env=env, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "limit 64 MiB" in result.stdout
     return out
@@ -64,7 +65,7 @@ def test_prepare_makes_a_small_bundle_of_wheels_and_the_tokenizer(bundle):
     wheels = sorted(path.name.split("-")[0].lower() for path in (bundle / "wheels").iterdir())
     assert wheels == ["docstring_parser", "typeguard", "typing_extensions", "tyro"]
     deepspeed = {path.name.split("-")[0].lower() for path in (bundle / "deepspeed").iterdir()}
-    pinned = (REPO / "benchmark/gpu/node-deepspeed-requirements.txt").read_text().splitlines()
+    pinned = (REPO / "benchmark/launch/gpu/node-deepspeed-requirements.txt").read_text().splitlines()
     assert deepspeed == {"deepspeed"} | {line.split("==")[0].replace("-", "_") for line in pinned if "==" in line}
     assert (bundle / "gpt2-tokenizer" / "tokenizer.json").is_file()
     assert sum(path.stat().st_size for path in bundle.rglob("*") if path.is_file()) < 64 * 2**20
@@ -104,7 +105,7 @@ def test_check_runs_offline_from_the_bundle_in_a_bare_environment(bundle, tmp_pa
     setup = (f'ip link set lo up && mount --bind "{node_packages}" "{node_packages}" && '
              f'mount -o remount,bind,ro "{node_packages}" && ')  # fmt: skip
     check = subprocess.run(["unshare", "--net", "--mount", "bash", "-c",
-                            setup + f'exec bash "{REPO / "benchmark/gpu/check.sh"}"'], capture_output=True,
+                            setup + f'exec bash "{REPO / "benchmark/launch/gpu/check.sh"}"'], capture_output=True,
                            text=True, env=env, cwd=tmp_path, timeout=900)  # fmt: skip
     assert check.returncode == 0, check.stderr[-3000:]
     lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
@@ -128,7 +129,7 @@ def test_check_runs_offline_from_the_bundle_in_a_bare_environment(bundle, tmp_pa
 def check_sh(tmp_path: Path, **env) -> subprocess.CompletedProcess:
     """check.sh without a bundle, in this environment."""
     environment = {**os.environ, "PYTHON": sys.executable, "OUT_DIR": str(tmp_path / "out"), **env}
-    return subprocess.run(["bash", str(REPO / "benchmark/gpu/check.sh")], capture_output=True, text=True,
+    return subprocess.run(["bash", str(REPO / "benchmark/launch/gpu/check.sh")], capture_output=True, text=True,
                           env=environment, timeout=300)  # fmt: skip
 
 
@@ -144,10 +145,11 @@ def test_plan_prints_the_configurations_in_order_and_the_total_within_the_budget
     assert total == pytest.approx(sum(int(seconds) for *_, seconds in rows), abs=len(rows)) and total <= 480
     assert "ESTIMATED" in result.stdout and not (tmp_path / "out").exists()
     assert check_sh(tmp_path, PLAN="1", RUNS="gpt2:nonsense").returncode != 0
-    sys.path.insert(0, str(REPO / "benchmark" / "gpu"))
-    import plan
+    from benchmark.launch.gpu import plan
 
-    configurations = re.findall(r"^    \[([\w+]+)\]=", (REPO / "benchmark/gpu/check.sh").read_text(), re.MULTILINE)
+    configurations = re.findall(
+        r"^    \[([\w+]+)\]=", (REPO / "benchmark/launch/gpu/check.sh").read_text(), re.MULTILINE
+    )
     assert set(configurations) == set(plan.CONFIGS)  # the plan knows every configuration check.sh has
 
 

@@ -8,12 +8,12 @@ import types
 
 import pytest
 import torch
-from conftest import REPO
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import run_utils
 import train_policy_accelerate as P
 import train_reward_accelerate as R
+from tests.conftest import REPO
 
 FACTORIES = {"tensor", "as_tensor", "from_numpy", "zeros", "ones", "full", "empty", "eye", "arange", "linspace",
              "rand", "randn", "randint", "randperm"}  # fmt: skip

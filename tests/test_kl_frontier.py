@@ -1,5 +1,5 @@
-"""benchmark/kl_frontier.py: the sampled optimum of the KL-regularized objective and best-of-n, against cases with a
-known answer, and the command on an eval_samples.jsonl as a policy run writes it."""
+"""benchmark/studies/kl_frontier.py: the sampled optimum of the KL-regularized objective and best-of-n, against cases
+with a known answer, and the command on an eval_samples.jsonl as a policy run writes it."""
 
 import itertools
 import json
@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 import numpy as np
-from conftest import REPO
 
-from benchmark.kl_frontier import best_of_n, fit_gao, optimum
+from benchmark.studies.kl_frontier import best_of_n, fit_gao, optimum
+from tests.conftest import REPO
 
-SCRIPT = str(REPO / "benchmark" / "kl_frontier.py")
+SCRIPT = ["-m", "benchmark.studies.kl_frontier"]  # run from the repository root
 
 
 def test_best_of_n_equals_the_mean_over_every_subset():
@@ -84,8 +84,8 @@ def write_eval_samples(path, queries=5, per_query=8):
 def test_the_command_reads_update_0_and_writes_its_tables(tmp_path):
     rows = write_eval_samples(tmp_path / "eval_samples.jsonl", per_query=16)
     out = tmp_path / "frontier.json"
-    result = subprocess.run([sys.executable, SCRIPT, str(tmp_path / "eval_samples.jsonl"), "--betas", "1", "0.5",
-                             "--out", str(out)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = subprocess.run([sys.executable, *SCRIPT, str(tmp_path / "eval_samples.jsonl"), "--betas", "1", "0.5",
+                             "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "5 queries x 16 samples" in result.stdout and "best-of-n" in result.stdout
     frontier = json.loads(out.read_text())
@@ -112,6 +112,6 @@ def test_bad_input_gets_one_line(tmp_path):
         ([str(tmp_path / "eval_samples.jsonl"), "--update", "7"], "no samples of update 7"),
         ([str(tmp_path / "eval_samples.jsonl"), "--betas", "0"], "--betas must be positive"),
     ]:
-        result = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True, timeout=120)
+        result = subprocess.run([sys.executable, *SCRIPT, *argv], capture_output=True, text=True, timeout=120, cwd=REPO)
         assert result.returncode == 1 and message in result.stderr, (argv, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -1,6 +1,6 @@
 """run_utils' memory estimate: the parameter counts against real models, each part's formula on a hand-checked
 example, that the memory knobs lower it, the flags it names when a run does not fit, the --dry-run line of both
-scripts, and the README's table (benchmark/memory_table.py)."""
+scripts, and the README's table (benchmark/launch/memory_table.py)."""
 
 import json
 import subprocess
@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO, run_script
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import run_utils
 import train_policy_accelerate
 import train_reward_accelerate
+from tests.conftest import REPO, run_script
 
 GPT2_COUNTS = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080, "gpt2-xl": 1_557_611_200}
 """GPT-2's parameters, the LM head tied to the token embedding (the published model cards' counts)"""
@@ -195,6 +195,6 @@ def test_dry_run_of_both_scripts_prints_the_estimate_and_the_flags(tiny_assets, 
 
 
 def test_the_readme_holds_the_memory_table_of_benchmark_memory_table():
-    table = subprocess.run([sys.executable, str(REPO / "benchmark" / "memory_table.py")], capture_output=True,
-                           text=True, timeout=300, check=True).stdout.strip()  # fmt: skip
+    table = subprocess.run([sys.executable, "-m", "benchmark.launch.memory_table"], capture_output=True, text=True,
+                           timeout=300, check=True, cwd=REPO).stdout.strip()  # fmt: skip
     assert len(table.splitlines()) == 6 and table in (REPO / "README.md").read_text()

@@ -5,11 +5,11 @@ import types
 
 import pytest
 import torch
-from conftest import read_jsonl, run_script
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import train_policy_accelerate as P
 import train_reward_accelerate as R
+from tests.conftest import read_jsonl, run_script
 
 PAD = 999
 LOGPROB_TOLERANCE = 0.05  # nats per token: bf16 keeps 8 bits of mantissa, ~3 significant digits per activation

@@ -1,8 +1,8 @@
 """This project against OpenAI's own code, without TensorFlow: the real scripts on the inputs OpenAI's
-lm-human-preferences was given in benchmark/side_by_side.py, compared with what it computed from them
-(benchmark/openai_reference/, written by `side_by_side.py --write-reference`; its README says how).
+lm-human-preferences was given in benchmark/openai/side_by_side.py, compared with what it computed from them
+(benchmark/openai/side_by_side_reference/, written by `side_by_side.py --write-reference`; its README says how).
 
-The tiny task's base model is rebuilt here bit for bit (benchmark/tiny_task.py), the labels and samples are OpenAI's
+The tiny task's base model is rebuilt here bit for bit (tests/tiny_task.py), the labels and samples are OpenAI's
 inputs as committed, the reward model is trained here by train_reward_accelerate.py exactly as the side-by-side
 trained the one both sides' PPO read. Tolerances: ten times the largest difference measured in the side-by-side
 (docs/side-by-side.md), which is float32 rounding: both sides' forwards are within 1e-5 of the same forward in
@@ -19,13 +19,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, read_jsonl, run_script, script_command, script_environment, tiny_gpt2_from_cache
 
-from benchmark import side_by_side as S
-from benchmark.openai_bridge import reward_model_arrays, reward_model_from_openai, trunk_from_openai, trunk_to_openai
-from benchmark.tiny_task import synthetic_sentences
+from benchmark.openai import side_by_side as S
+from benchmark.openai.bridge import reward_model_arrays, reward_model_from_openai, trunk_from_openai, trunk_to_openai
+from tests.conftest import REPO, read_jsonl, run_script, script_command, script_environment, tiny_gpt2_from_cache
+from tests.tiny_task import synthetic_sentences
 
-REFERENCE = REPO / "benchmark" / "openai_reference"
+REFERENCE = REPO / "benchmark" / "openai" / "side_by_side_reference"
 SETTINGS = json.loads((REFERENCE / "settings.json").read_text())
 
 REWARD_RTOL = 2e-3  # every step's loss, the normalizations (measured: <= 9.3e-4 on 1 rank, 6.2e-5 on 2)
@@ -40,7 +40,8 @@ OUR_SEEDS = 2  # free-running seeds run here (of the 10 a side in the side-by-si
 
 
 def test_the_reference_was_made_with_the_harness_settings():
-    """The committed data and benchmark/side_by_side.py describe the same task (a change to one needs the other)."""
+    """The committed data and benchmark/openai/side_by_side.py describe the same task (a change to one needs the
+    other)."""
     assert SETTINGS["task"] == S.TASK and SETTINGS["corpus"] == S.CORPUS and SETTINGS["base_model"] == S.BASE_MODEL
     assert SETTINGS["labels"] == S.LABELS and SETTINGS["reward"] == S.REWARD and SETTINGS["policy"] == S.POLICY
     assert SETTINGS["scenarios"] == S.SCENARIOS and SETTINGS["reward_scenarios"] == S.REWARD_SCENARIOS
@@ -80,7 +81,7 @@ def test_other_cpu_kernels_rebuild_the_same_base_model(gpt2_tokenizer_dir, tmp_p
 def run_reward(assets: Path, ranks: int, out: Path):
     flags = [*S.our_reward_flags(assets), "--output-dir", str(out)]
     samples = REFERENCE / f"reward_ranks_{ranks}" / "samples.npz"
-    result = run_script("benchmark/replay.py", "train_reward_accelerate.py", str(samples), *flags, nproc=ranks)
+    result = run_script("benchmark.openai.replay", "train_reward_accelerate.py", str(samples), *flags, nproc=ranks)
     assert result.returncode == 0, result.stderr[-3000:]
     return read_jsonl(out / "metrics.jsonl")
 
@@ -140,7 +141,7 @@ def test_reward_model_training_matches_openai_two_ranks(assets, tmp_path):
 def run_policy(assets: Path, name: str, updates: int, ranks: int, nminibatches: int, out: Path) -> dict[int, dict]:
     flags = [*S.our_policy_flags(assets, updates, nminibatches=nminibatches, ranks=ranks), "--output-dir", str(out)]
     replay = REFERENCE / name / "replay.npz"
-    result = run_script("benchmark/replay.py", "train_policy_accelerate.py", str(replay), *flags, nproc=ranks)
+    result = run_script("benchmark.openai.replay", "train_policy_accelerate.py", str(replay), *flags, nproc=ranks)
     assert result.returncode == 0, result.stderr[-3000:]
     return {row["update"]: row for row in read_jsonl(out / "metrics.jsonl") if "objective/kl" in row}
 
@@ -184,7 +185,7 @@ def reward_scenario_rows(assets: Path, name: str, out: Path) -> list[dict]:
     scenario = S.REWARD_SCENARIOS[name]
     flags = [*S.our_reward_flags(assets, scenario=scenario, labels=f"labels_{name}.json"), "--output-dir", str(out)]
     samples = REFERENCE / f"reward_{name}" / "samples.npz"
-    result = run_script("benchmark/replay.py", "train_reward_accelerate.py", str(samples), *flags)
+    result = run_script("benchmark.openai.replay", "train_reward_accelerate.py", str(samples), *flags)
     assert result.returncode == 0, result.stderr[-3000:]
     return read_jsonl(out / "metrics.jsonl")
 
@@ -215,7 +216,7 @@ def test_policy_scenarios_match_openai(assets, reward_rows, name, tmp_path):
     out = tmp_path / "policy"
     flags = [*S.our_policy_flags(assets, updates, scenario=scenario), "--output-dir", str(out)]
     replay = REFERENCE / reference / "replay.npz"
-    result = run_script("benchmark/replay.py", *warm, "train_policy_accelerate.py", str(replay), *flags)
+    result = run_script("benchmark.openai.replay", *warm, "train_policy_accelerate.py", str(replay), *flags)
     assert result.returncode == 0, result.stderr[-3000:]
     ours = {row["update"]: row for row in read_jsonl(out / "metrics.jsonl") if "objective/kl" in row}
     check_policy(ours, reference, SCENARIO_RTOL, SCENARIO_ATOL, S.policy_settings(scenario)["batch_size"])
@@ -264,7 +265,7 @@ def test_the_scenarios_exercise_what_they_are_for():
 
 def test_queries_are_cut_at_the_start_and_end_text_as_openais_dataset_cuts_them(assets):
     """The replay gives the script OpenAI's queries; here the script's own query_from_text cuts the same texts, in
-    the order OpenAI's dataset read them (benchmark/openai_tf/shim.py: the corpus shuffled by random.seed(0)), into
+    the order OpenAI's dataset read them (benchmark/openai/tf/shim.py: the corpus shuffled by random.seed(0)), into
     the same queries as OpenAI's pipeline (language/datasets.py tf_dataset: after the first start token, the first
     query_length tokens, up to the last end token; texts without them skipped)."""
     theirs = np.load(REFERENCE / "scenario_details" / "replay.npz")["queries"]
@@ -340,24 +341,26 @@ def test_harness_without_openai_src_skips_with_one_line(tmp_path):
     import subprocess
     import sys
 
-    command = [sys.executable, str(REPO / "benchmark" / "side_by_side.py"), "--out", str(tmp_path / "sbs"),
+    command = [sys.executable, "-m", "benchmark.openai.side_by_side", "--out", str(tmp_path / "sbs"),
                "--stages", "assets", "reward"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 0 and result.stderr == ""
     assert result.stdout.splitlines()[0] == (
         "side by side: skipped assets, reward: no --openai-src (a checkout of openai/lm-human-preferences at cbfd210)"
     )
-    wrong = subprocess.run([*command, "--openai-src", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    wrong = subprocess.run(
+        [*command, "--openai-src", str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
     assert wrong.returncode != 0 and "Traceback" not in wrong.stderr
     assert wrong.stderr.strip().splitlines()[-1].startswith(f"error: --openai-src {tmp_path}: expected commit cbfd210")
 
 
 def test_the_mutation_study_covers_every_detail_and_applies_to_the_code():
-    """benchmark/mutations.py has a mutation for every `# detail:` of both scripts, and each of its changes finds
+    """benchmark/openai/mutations.py has a mutation for every `# detail:` of both scripts, and each of its changes finds
     its code exactly once (a refactoring that moves the code must move the mutation along)."""
     import re
 
-    from benchmark import mutations
+    from benchmark.openai import mutations
 
     details = set()
     for name in mutations.BOTH:
@@ -372,7 +375,7 @@ def test_the_mutation_study_covers_every_detail_and_applies_to_the_code():
 def test_replay_fails_when_a_given_draw_is_not_used():
     """A batch, a response set or an epoch's order the script does not take stops the run with one line: the
     comparison would otherwise run on the script's own draws."""
-    from benchmark.replay import Replay
+    from benchmark.openai.replay import Replay
 
     queries, responses = np.full((4, 3), 7), np.full((4, 2), 8)
     replay = Replay([(queries, responses), (queries, responses)], pad_id=50257)

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import tyro
-from conftest import run_script
 from transformers import (
     AutoModel,
     AutoModelForSequenceClassification,
@@ -24,6 +23,7 @@ from transformers import (
 import run_utils
 import train_policy_accelerate as P
 import train_reward_accelerate as R
+from tests.conftest import run_script
 
 PAD = 50257
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import dominated_lm, one_line_error, tiny_gpt2_config
 from transformers import AutoTokenizer, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import rlhf_data
 import train_policy_accelerate as P
+from tests.conftest import dominated_lm, one_line_error, tiny_gpt2_config
 
 PAD = 50257  # GPT-2's [PAD]: one past the 50257-token vocabulary
 EOS = 50256

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, read_jsonl
 
 import quickstart
 import train_policy_accelerate
@@ -29,6 +28,7 @@ from quickstart import (
     prepare_output_dir,
     write_reward_queries,
 )
+from tests.conftest import REPO, read_jsonl
 
 # ---------------------------------------------------------------------------------------------------------------
 # bootstrap confidence intervals

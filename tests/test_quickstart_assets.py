@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import quickstart_assets
@@ -28,6 +27,7 @@ from quickstart_assets import (
     recover_bpe_merges,
     review_snippets,
 )
+from tests.conftest import REPO
 
 CACHE = REPO / ".cache"
 QUERY_LENGTH = 8

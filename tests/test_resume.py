@@ -19,8 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import REPO, read_jsonl, run_script, script_command, script_environment
 from safetensors.torch import load_file
+
+from tests.conftest import REPO, read_jsonl, run_script, script_command, script_environment
 
 REWARD = "train_reward_accelerate.py"
 POLICY = "train_policy_accelerate.py"

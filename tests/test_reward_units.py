@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import dominated_lm, one_line_error, tiny_gpt2_config
 from transformers import (
     AutoModel,
     AutoModelForCausalLM,
@@ -29,6 +28,7 @@ import rlhf_data
 import run_utils
 import train_policy_accelerate as P
 import train_reward_accelerate as R
+from tests.conftest import dominated_lm, one_line_error, tiny_gpt2_config
 
 PAD = 50257  # GPT-2's [PAD]: one past the 50257-token vocabulary
 EOS = 50256

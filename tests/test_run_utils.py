@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO
 
 import run_utils
 import train_policy_accelerate
+from tests.conftest import REPO
 
 
 def policy_args(**fields) -> train_policy_accelerate.Args:

@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, tracked_files
 
 import train_policy_accelerate
 import train_reward_accelerate
+from tests.conftest import REPO, tracked_files
 
 SCRIPTS = {"reward": REPO / "train_reward_accelerate.py", "policy": REPO / "train_policy_accelerate.py"}
 MODULES = {"reward": train_reward_accelerate, "policy": train_policy_accelerate}

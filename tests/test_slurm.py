@@ -1,5 +1,5 @@
-"""benchmark/benchmark.py against a real single-node Slurm (benchmark/slurm/ci_start.sh): array jobs through the
-project's template, a failing seed, a requeue, and the real training scripts on a tiny offline model.
+"""benchmark/launch/launcher.py against a real single-node Slurm (benchmark/launch/slurm/ci_start.sh): array jobs
+through the project's template, a failing seed, a requeue, and the real training scripts on a tiny offline model.
 
 Needs root and Debian's slurm-wlm + munge (ci_start.sh installs them: 10-20 s the first time). Nothing here skips: if
 Slurm cannot be started the tests fail. Deselect them with `pytest -m "not slurm"`.
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SLURM_DIR = REPO_ROOT / "benchmark" / "slurm"
-LAUNCHER = REPO_ROOT / "benchmark" / "benchmark.py"
+SLURM_DIR = REPO_ROOT / "benchmark" / "launch" / "slurm"
+LAUNCHER = [sys.executable, "-m", "benchmark.launch.launcher"]  # run from the repository root
 FAKE_GPUS = 2  # the CI node gets 2 fake GPUs so that --slurm-gpus-per-task is exercised
 JOB_TIMEOUT = 240  # seconds for one array job, far above what the jobs here take
 
@@ -61,7 +61,7 @@ def slurm_cluster():
 
 def launch(*flags: str, timeout: float = JOB_TIMEOUT) -> subprocess.CompletedProcess:
     """Run the launcher from the repository root, as the suites do."""
-    command = [sys.executable, str(LAUNCHER), "--slurm", "--slurm-poll-seconds", "0.5", *flags]
+    command = [*LAUNCHER, "--slurm", "--slurm-poll-seconds", "0.5", *flags]
     return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
 
 

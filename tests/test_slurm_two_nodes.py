@@ -1,5 +1,6 @@
-"""benchmark/benchmark.py --slurm --slurm-nodes 2 on a real two-node Slurm cluster that benchmark/slurm/ci_two_nodes.sh
-builds on this one machine (three network namespaces on a private bridge; one slurmd per node namespace).
+"""benchmark/launch/launcher.py --slurm --slurm-nodes 2 on a real two-node Slurm cluster that
+benchmark/launch/slurm/ci_two_nodes.sh builds on this one machine (three network namespaces on a private bridge; one
+slurmd per node namespace).
 
 A tiny policy run spread over the two nodes (torchrun, c10d rendezvous at the template's MASTER_ADDR, one process per
 node) must equal the same run as 2 processes on one machine (torchrun --standalone) bit for bit: the same
@@ -25,14 +26,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, read_jsonl, run_script
 from safetensors.torch import load_file
 from transformers import AutoModel
 
 import train_reward_accelerate
+from tests.conftest import REPO, read_jsonl, run_script
 
-CLUSTER_SCRIPT = REPO / "benchmark" / "slurm" / "ci_two_nodes.sh"
-LAUNCHER = REPO / "benchmark" / "benchmark.py"
+CLUSTER_SCRIPT = REPO / "benchmark" / "launch" / "slurm" / "ci_two_nodes.sh"
+LAUNCHER = [sys.executable, "-m", "benchmark.launch.launcher"]  # run from the repository root
 POLICY = "train_policy_accelerate.py"
 SEED = 1  # the launcher's first seed
 JOB_TIMEOUT = 180  # seconds for one job, far above the ~30 s the jobs here take
@@ -139,7 +140,7 @@ def two_node_command(flags: list[str]) -> str:
 
 def submit_two_node_job(cluster: Path, flags: list[str], job_name: str, logs: Path, *extra: str) -> tuple[str, str]:
     """Run the launcher for one seed on 2 nodes; returns (array job id, launcher output)."""
-    launcher = [sys.executable, str(LAUNCHER), "--slurm", "--slurm-nodes", "2", "--slurm-poll-seconds", "0.5"]
+    launcher = [*LAUNCHER, "--slurm", "--slurm-nodes", "2", "--slurm-poll-seconds", "0.5"]
     result = in_cluster(
         cluster,
         *launcher,

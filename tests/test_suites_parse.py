@@ -9,16 +9,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
 
 import run_utils
 import train_policy_accelerate
 import train_reward_accelerate
-from benchmark.benchmark import benchmark_commands, training_script_args
+from benchmark.launch.launcher import suite_commands, training_script_args
+from tests.conftest import REPO
 
 SCRIPTS = {"train_reward_accelerate.py": train_reward_accelerate, "train_policy_accelerate.py": train_policy_accelerate}
-SUITES = sorted((REPO / "benchmark").glob("*.sh"))
-COMMANDS = [(suite.name, i, argv) for suite in SUITES for i, argv in enumerate(benchmark_commands(suite))]
+SUITES = sorted((REPO / "benchmark" / "launch").glob("*.sh"))
+COMMANDS = [(suite.name, i, argv) for suite in SUITES for i, argv in enumerate(suite_commands(suite))]
 
 
 def test_every_suite_has_commands():
@@ -57,12 +57,15 @@ def test_dry_run_from_the_command_line(script, tmp_path):
 
 
 QUEUE_GPU_GB = {"p4d.24xlarge": 40, "p5.48xlarge": 80}  # A100 40 GB, H100 80 GB
-"""GPU memory per GPU of the instance types benchmark/aws/pcluster.yaml's queues use"""
+"""GPU memory per GPU of the instance types benchmark/launch/aws/pcluster.yaml's queues use"""
 
 
 def usage_partition(suite: Path) -> str:
-    """The Slurm queue a suite's usage line sends it to (`#   bash benchmark/X.sh --slurm ... --slurm-partition Q`)."""
-    usage = [line for line in suite.read_text().splitlines() if line.startswith(f"#   bash benchmark/{suite.name}")]
+    """The Slurm queue a suite's usage line sends it to (`#   bash benchmark/launch/X.sh --slurm ...
+    --slurm-partition Q`)."""
+    usage = [
+        line for line in suite.read_text().splitlines() if line.startswith(f"#   bash benchmark/launch/{suite.name}")
+    ]
     (partition,) = {line.split("--slurm-partition ")[1].split()[0] for line in usage if "--slurm-partition" in line}
     return partition
 
@@ -70,15 +73,16 @@ def usage_partition(suite: Path) -> str:
 @pytest.mark.parametrize("suite", SUITES, ids=[suite.name for suite in SUITES])
 def test_every_suite_command_fits_the_gpus_of_the_queue_it_names(suite):
     """The estimated peak memory per process (run_utils.estimate_peak_memory, as --dry-run prints it) of each training
-    command within 90% of a GPU of the queue its usage line names (benchmark/aws/pcluster.yaml): a gpt2 policy at
+    command within 90% of a GPU of the queue its usage line names (benchmark/launch/aws/pcluster.yaml): a gpt2 policy at
     micro-batch 512 in fp32 (~38 GB) does not fit an A100 40 GB. Base models whose config is not here (no
     download) are left out."""
     import yaml
 
-    queues = yaml.safe_load((REPO / "benchmark" / "aws" / "pcluster.yaml").read_text())["Scheduling"]["SlurmQueues"]
+    pcluster = REPO / "benchmark" / "launch" / "aws" / "pcluster.yaml"
+    queues = yaml.safe_load(pcluster.read_text())["Scheduling"]["SlurmQueues"]
     instance = {queue["Name"]: queue["ComputeResources"][0]["InstanceType"] for queue in queues}
     budget = run_utils.MEMORY_HEADROOM * QUEUE_GPU_GB[instance[usage_partition(suite)]]
-    for argv in benchmark_commands(suite):
+    for argv in suite_commands(suite):
         processes, (script, *flags) = training_script_args(argv)
         config = next((argv[i + 1] for i, token in enumerate(argv) if token == "--config_file"), None)
         launch = yaml.safe_load((REPO / config).read_text()) if config else {}

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from conftest import one_line_error, read_jsonl, run_script, synthetic_sentences
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import rlhf_data
 import run_utils
 import train_policy_accelerate as P
 import train_reward_accelerate as R
+from tests.conftest import one_line_error, read_jsonl, run_script, synthetic_sentences
 
 PAD = 50257  # GPT-2's [PAD]
 OPENAI_PAD = 50259

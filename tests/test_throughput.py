@@ -1,4 +1,5 @@
-"""benchmark/throughput.py runs the real training loops on a random-weight model and reports one JSON line each."""
+"""benchmark/speed/throughput.py runs the real training loops on a random-weight model and reports one JSON line
+each."""
 
 import json
 import os
@@ -11,18 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
 
-sys.path.insert(0, str(REPO / "benchmark"))
-import throughput  # noqa: E402
+from benchmark.speed import throughput
+from tests.conftest import REPO
 
 
 def test_throughput_harness_reports_both_stages(gpt2_tokenizer_dir):
-    command = [sys.executable, str(REPO / "benchmark" / "throughput.py"), "--model", "tiny", "--batch-size", "8",
+    command = [sys.executable, "-m", "benchmark.speed.throughput", "--model", "tiny", "--batch-size", "8",
                "--query-length", "16", "--response-length", "12", "--updates", "1", "--eval-labels", "32",
                "--noptepochs", "2", "--extra=--local-rollout-forward-batch-size 4"]  # fmt: skip
     env = {**os.environ, "ACCELERATE_USE_CPU": "true"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     reward, policy = (json.loads(line) for line in result.stdout.strip().splitlines()[-2:])
     assert reward["stage"] == "reward" and reward["seconds_per_step"] > 0 and 0 < reward["mfu"] < 1
@@ -32,7 +32,9 @@ def test_throughput_harness_reports_both_stages(gpt2_tokenizer_dir):
     assert abs(sum(policy["phases"].values()) - policy["seconds_per_update"]) < 1e-6
     assert 0 < policy["mfu_ppo_epochs"] < 1 and policy["peak_memory_gb"] > 0
     command[command.index("--eval-labels") + 1] = "4"  # fewer than a batch: the policy stage does not need them
-    result = subprocess.run([*command, "--stage", "policy"], capture_output=True, text=True, timeout=600, env=env)
+    result = subprocess.run(
+        [*command, "--stage", "policy"], capture_output=True, text=True, timeout=600, env=env, cwd=REPO
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1])["stage"] == "policy"
 
@@ -45,7 +47,7 @@ def accelerate_launcher(processes: int) -> str:
     return f"{sys.executable} -m accelerate.commands.launch --multi_gpu --num_processes {processes} --main_process_port {port}"
 
 
-TINY_POLICY = [sys.executable, str(REPO / "benchmark" / "throughput.py"), "--model", "tiny", "--stage", "policy",
+TINY_POLICY = [sys.executable, "-m", "benchmark.speed.throughput", "--model", "tiny", "--stage", "policy",
                "--batch-size", "16", "--query-length", "16", "--response-length", "12", "--noptepochs", "1",
                "--extra=--local-rollout-forward-batch-size 4"]  # fmt: skip
 
@@ -55,11 +57,11 @@ def cpu_environment(**more) -> dict:
 
 
 def test_throughput_runs_on_two_processes(gpt2_tokenizer_dir):
-    """benchmark/gpu/check.sh's zero2 configuration launches throughput.py on every GPU: its whitening ranks follow
-    the processes (a fixed `--ppo.whitening-ranks 1` failed validation on more than one). Its reward model is
+    """benchmark/launch/gpu/check.sh's zero2 configuration launches throughput.py on every GPU: its whitening ranks
+    follow the processes (a fixed `--ppo.whitening-ranks 1` failed validation on more than one). Its reward model is
     evaluated on held-out labels, and the line holds the memory estimate of that launch."""
     command = [*TINY_POLICY, "--updates", "1", f"--launcher={accelerate_launcher(2)}"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=cpu_environment())
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=cpu_environment(), cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     line = json.loads(result.stdout.strip().splitlines()[-1])
     assert line["stage"] == "policy" and line["processes"] == 2 and line["seconds_per_update"] > 0
@@ -85,7 +87,7 @@ def test_a_stopped_or_timed_out_run_leaves_no_process_and_no_temporary_file(gpt2
     temporary.mkdir()
     command = [*TINY_POLICY, "--updates", "1000", f"--launcher={accelerate_launcher(2)}"]
     env = cpu_environment(TMPDIR=str(temporary), THROUGHPUT_TEST_TAG=str(tmp_path))
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     deadline = time.monotonic() + 300
     while len(tagged(str(tmp_path))) < 4 and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)  # throughput.py, the launcher, 2 workers
@@ -94,7 +96,9 @@ def test_a_stopped_or_timed_out_run_leaves_no_process_and_no_temporary_file(gpt2
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 143, stderr[-3000:]
     assert tagged(str(tmp_path)) == [] and not list(temporary.rglob("corpus.txt"))
-    result = subprocess.run([*command, "--timeout", "20"], capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run(
+        [*command, "--timeout", "20"], capture_output=True, text=True, timeout=300, env=env, cwd=REPO
+    )
     assert result.returncode == throughput.TIMED_OUT and "--timeout 20 s" in result.stderr, result.stderr[-3000:]
     assert tagged(str(tmp_path)) == [] and not list(temporary.rglob("corpus.txt"))
 
@@ -114,7 +118,7 @@ def test_mfu_peak_is_measured_in_the_runs_precision():
 def test_launch_of_counts_the_processes_and_the_zero_stage():
     assert throughput.launch_of("") == (1, 0)
     assert throughput.launch_of("accelerate launch --num_processes 4") == (4, 0)
-    zero2 = str(REPO / "benchmark" / "deepspeed_zero2.yaml")
+    zero2 = str(REPO / "benchmark" / "launch" / "deepspeed_zero2.yaml")
     assert throughput.launch_of(f"accelerate launch --config_file {zero2}") == (8, 2)  # the file's num_processes
     launcher = f"python -m accelerate.commands.launch --config_file {zero2} --num_processes 2"
     assert throughput.launch_of(launcher) == (2, 2)
@@ -122,12 +126,12 @@ def test_launch_of_counts_the_processes_and_the_zero_stage():
 
 
 def test_optimizations_benchmark_checks_each_pair_and_prints_the_table():
-    """benchmark/optimizations.py: every before/after pair computes the same result (checked before timing, so a
+    """benchmark/speed/optimizations.py: every before/after pair computes the same result (checked before timing, so a
     wrong "after" stops the run) and each detail gets a row with positive timings."""
-    command = [sys.executable, str(REPO / "benchmark" / "optimizations.py"), "--model", "tiny", "--batch-size", "2",
+    command = [sys.executable, "-m", "benchmark.speed.optimizations", "--model", "tiny", "--batch-size", "2",
                "--query-length", "8", "--response-length", "6", "--repeats", "1", "--padding-rows", "16",
                "--metrics", "4"]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 10 and all(row["before_s"] > 0 and row["after_s"] > 0 for row in rows)
@@ -135,10 +139,10 @@ def test_optimizations_benchmark_checks_each_pair_and_prints_the_table():
 
 
 def test_sampling_speed_compares_the_loop_with_generate():
-    """benchmark/sampling_speed.py: one JSON line per setting with the timings of generate(), the loop and (several
-    samples per context) the loop with the shared context forward."""
-    command = [sys.executable, str(REPO / "benchmark" / "sampling_speed.py"), "--settings", "tiny", "--repeats", "1"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    """benchmark/speed/sampling_speed.py: one JSON line per setting with the timings of generate(), the loop and
+    (several samples per context) the loop with the shared context forward."""
+    command = [sys.executable, "-m", "benchmark.speed.sampling_speed", "--settings", "tiny", "--repeats", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr[-2000:]
     row = json.loads(result.stdout.strip().splitlines()[-1])
     assert row["setting"] == "tiny" and row["batch"] == 4 and row["samples_per_context"] == 2
@@ -155,8 +159,7 @@ def test_streaming_floor_replays_the_products_on_as_many_weights_as_the_model_ha
     and replayed in order (product_sequence), where an operand of a weight's size cycles through as many tensors as
     the model has weights of that size (3 layers of 64 x 64 here: 3 distinct ones, in turn) and other operands (the
     activations) take one tensor per shape."""
-    sys.path.insert(0, str(REPO / "benchmark"))
-    import sampling_speed
+    from benchmark.speed import sampling_speed
 
     model = torch.nn.Sequential(*(torch.nn.Linear(64, 64, bias=False) for _ in range(3)), torch.nn.Linear(64, 8))
     x = torch.randn(5, 64)
@@ -178,8 +181,7 @@ def test_streaming_floor_replays_the_products_on_as_many_weights_as_the_model_ha
 def test_sampling_speed_times_the_methods_in_turns():
     """sampling_speed.seconds_in_turns: a warm-up call of each method, then rounds in which each runs once, in turn
     (so that a slow stretch of the machine falls on all alike); the median of each method's rounds."""
-    sys.path.insert(0, str(REPO / "benchmark"))
-    import sampling_speed
+    from benchmark.speed import sampling_speed
 
     calls = []
     sampling_speed.seconds_in_turns({name: (lambda name=name: calls.append(name)) for name in "xyz"}, 2)
@@ -189,11 +191,11 @@ def test_sampling_speed_times_the_methods_in_turns():
 
 
 def test_ppo_profile_splits_the_step_by_kind_of_operation():
-    """benchmark/ppo_profile.py: the policy script's training step, timed and split: its matrix products timed alone
-    (the trunk's and the LM head's, both found), the optimizer step and the rest, adding up to the step."""
-    command = [sys.executable, str(REPO / "benchmark" / "ppo_profile.py"), "--model", "tiny", "--batch-size", "2",
+    """benchmark/speed/ppo_profile.py: the policy script's training step, timed and split: its matrix products timed
+    alone (the trunk's and the LM head's, both found), the optimizer step and the rest, adding up to the step."""
+    command = [sys.executable, "-m", "benchmark.speed.ppo_profile", "--model", "tiny", "--batch-size", "2",
                "--query-length", "8", "--response-length", "6", "--repeats", "2"]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     row = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
     parts = row["parts"]
@@ -211,8 +213,7 @@ def test_ppo_profile_splits_the_step_by_kind_of_operation():
 def test_ppo_profile_warms_up_until_a_step_faults_in_no_new_page():
     """ppo_profile.settle: warm-up steps go on until one takes no new page from the kernel (at least 2, at most the
     cap), so that the profile does not time the allocator's first steps."""
-    sys.path.insert(0, str(REPO / "benchmark"))
-    import ppo_profile
+    from benchmark.speed import ppo_profile
 
     kept = []  # what the steps allocate stays allocated, so each new block is fresh memory
 

@@ -1,0 +1,431 @@
+"""The mutation study of the comparison with OpenAI's code: does it catch every broken detail?
+
+    python -m benchmark.openai.mutations                   # every mutation (~40 min on 2 cores), then the table
+    python -m benchmark.openai.mutations --only value_clip_min gae_no_gamma_in_delta
+    python -m benchmark.openai.mutations --list            # the mutations, one line each
+    python -m benchmark.openai.mutations --report-only     # the table again, from OUT/results.jsonl
+
+Each mutation is one change of the kind a careless port makes (a sign, a clip, an index, a missing factor), for
+each `# detail:` of both scripts and for the PPO losses, GAE, whitening, the KL controller, log-probs and entropy,
+padding and positions, truncation, the reward normalization and the label order. The tool copies the repository's
+tracked files, applies the change (to both scripts where it is in the block they share), and runs the comparison,
+tests/test_openai_reference.py, on the copy: the tests that end soonest first, stopping at the first failure, whose
+test and assertion (the stat and update, or the step) it records. A mutation the comparison misses is then given to
+the unit and end-to-end tests of the suite (SECOND_TIER). A mutation that no test can catch must be the same
+computation; its note says why. OUT/results.jsonl has one line per mutation; OUT/mutations.md the table that
+docs/side-by-side.md shows. The unmutated copy runs first and must pass.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import tyro
+
+REPO = Path(__file__).resolve().parents[2]
+POLICY, REWARD = "train_policy_accelerate.py", "train_reward_accelerate.py"
+BOTH = (POLICY, REWARD)  # the shared block: a careless port changes its one copy, so both files get the change
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    area: str
+    """the detail or part of the algorithm it breaks"""
+    files: tuple[str, ...]
+    edits: tuple[tuple[str, str], ...]
+    """(old, new): each `old` must occur exactly once in each file"""
+    what: str
+    """the change, in words"""
+    equivalent: str = ""
+    """for a mutation that computes the same: why (the study checks that no test catches it)"""
+
+
+M = Mutation
+MUTATIONS = [
+    # the blog's details (# detail: tags), in the order the policy script implements them
+    M("pad_is_eos", "pad token", BOTH,
+      (('tokenizer.add_special_tokens({"pad_token": "[PAD]"})', "tokenizer.pad_token = tokenizer.eos_token"),),
+      "pad with EOS (id 50256, inside the vocabulary) instead of a token of its own"),
+    M("pad_logit_not_masked", "pad token", BOTH,
+      (("    if pad_id < logits.shape[-1]:\n", "    if False:\n"),),
+      "the pad id's logit left as the head gives it: a model whose pad id is inside its head (SmolLM2, Llama) can "
+      "sample it"),
+    M("dropout_on", "dropout disabled", BOTH,
+      (("            setattr(config, key, 0.0)\n", "            pass\n"),
+       ('    for key, value in model.config.to_dict().items():\n        assert not (("dropout" in key or "pdrop" in key)'
+        ' and isinstance(value, float) and value), f"config.{key}"\n    for name, module in model.named_modules():\n'
+        '        assert not isinstance(module, nn.Dropout) or module.p == 0.0, f"{name}.p = {module.p}"\n', "")),
+      "keep the config's dropout (GPT-2's 0.1), active in the PPO epochs' train mode"),
+    M("positions_count_pads", "position ids for padding", BOTH,
+      (("    position_ids = attention_mask.cumsum(1) - attention_mask.long()\n    input_ids = torch.where(attention_mask,"
+        " tokens, 0)\n    output", "    position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as("
+        "tokens)\n    input_ids = torch.where(attention_mask, tokens, 0)\n    output"),),
+      "positions 0, 1, ... over every column, pads included (the forward of query ⊕ response)"),
+    M("sampling_positions_count_pads", "position ids for padding", BOTH,
+      (("    position_ids = attention_mask.cumsum(1) - attention_mask.long()  # as padded_forward: pads don't count",
+        "    position_ids = torch.arange(contexts.shape[1], device=contexts.device).expand_as(contexts)"),),
+      "the sampler's positions count the left pads of a context"),
+    M("pads_attended", "position ids for padding", BOTH,
+      (("    output = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, "
+        "use_cache=False)", "    output = backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False)"),),
+      "no attention mask: real tokens attend to the pads",
+      equivalent="the same computation in transformers 5: given position ids that restart at 0 (every left pad, and "
+      "the first real token after them, get position 0), its masking treats each restart as the start of a packed "
+      "sequence, so no real token attends to a pad either way; the scripts pass the mask, which older transformers "
+      "need"),
+    M("sample_at_temperature_1", "fixed-length responses", BOTH,
+      (("        logits = vocabulary_logits(lm, hidden, pad_id) / temperature  # (B, V)",
+        "        logits = vocabulary_logits(lm, hidden, pad_id)  # (B, V)"),),
+      "sample from softmax(logits), not softmax(logits / temperature)"),
+    M("truncate_drops_the_period", "rejection sampling", BOTH,
+      (("    postprocessed = torch.where(index > first_cut[:, None], pad_id, responses)",
+        "    postprocessed = torch.where(index >= first_cut[:, None], pad_id, responses)"),),
+      "the truncate token itself becomes pad"),
+    M("truncate_after_off_by_one", "rejection sampling", BOTH,
+      (("    is_cut = (responses == truncate_token_id) & (index >= truncate_after)  # (B, T)",
+        "    is_cut = (responses == truncate_token_id) & (index > truncate_after)  # (B, T)"),),
+      "a truncate token counts from index truncate_after + 1"),
+    M("no_penalty", "rejection sampling", (POLICY,),
+      (("torch.where(has_cut, scores, torch.full_like(scores, task.penalty_reward_value))", "scores"),),
+      "a response without a truncate token keeps its score"),
+    M("torch_adam_eps", "TF-style Adam", BOTH,
+      (('            group["eps"] = group["tensorflow_eps"] / math.sqrt(1 - group["betas"][1] ** t)',
+        '            group["eps"] = group["tensorflow_eps"]'),),
+      "PyTorch's Adam (eps inside the bias correction)"),
+    M("lr_schedule_one_step_ahead", "learning rate annealing", BOTH,
+      (("    return base_lr * (1 - step / num_steps)", "    return base_lr * (1 - (step + 1) / num_steps)"),),
+      "the annealed lr one step ahead"),
+    M("query_drops_end_text", "queries that start and end with a period", BOTH,
+      (("        tokens = tokens[: hits[-1] + len(end)]", "        tokens = tokens[: hits[-1]]"),),
+      "cut the query before its last end text instead of after it"),
+    M("query_starts_after_last_start_text", "queries that start and end with a period", BOTH,
+      (("        if hits[0] + len(start) < len(tokens):\n            tokens = tokens[hits[0] + len(start) :]",
+        "        if hits[-1] + len(start) < len(tokens):\n            tokens = tokens[hits[-1] + len(start) :]"),),
+      "start after the last start text instead of the first"),
+    M("reward_head_init_std", "reward head initialization", BOTH,
+      (("std=1 / math.sqrt(hidden_size + 1)", "std=1 / math.sqrt(hidden_size)"),),
+      "N(0, 1/sqrt(d)) instead of OpenAI's 1/sqrt(d + 1)"),
+    M("reward_reads_response_only", "query ⊕ response input", BOTH,
+      (("        query_responses = right_padding_to_left_padding(torch.cat([queries, responses], 1), self.pad_id)",
+        "        query_responses = right_padding_to_left_padding(responses, self.pad_id)"),),
+      "the reward model scores the response without its query"),
+    M("best_of_n_response_sees_no_query", "query ⊕ response input", (REWARD,),
+      (("((part[None] == 0) | (part[None] == part[:, None]))", "(part[None] == part[:, None])"),),
+      "in the reward script's best-of-4 forward, a sample does not see its query"),
+    M("reward_from_a_pad", "reward from the last token", BOTH,
+      (("        query_responses = right_padding_to_left_padding(torch.cat([queries, responses], 1), self.pad_id)",
+        "        query_responses = torch.cat([queries, responses], 1)"),),
+      "the reward read at the last column, a pad when the response was truncated"),
+    M("best_of_n_reads_the_last_column", "reward from the last token", (REWARD,),
+      (("        last_in_response = length - 1 - in_response.flip(2).int().argmax(2)  # (B, n)",
+        "        last_in_response = torch.full_like(in_response[..., 0], length - 1, dtype=torch.long)  # (B, n)"),),
+      "the best-of-4 forward reads each sample's last column, pad or not"),
+    M("kl_controller_unclipped", "adaptive KL", (POLICY,),
+      (("float(np.clip(current_kl / self.target - 1, -KL_ERROR_CLIP, KL_ERROR_CLIP))",
+        "float(current_kl / self.target - 1)"),),
+      "the controller's proportional error not clipped to ±0.2"),
+    M("kl_controller_per_token_kl", "adaptive KL", (POLICY,),
+      (('        kl_ctl.update(row["objective/kl"], ppo.batch_size)',
+        '        kl_ctl.update(row["objective/kl"] / task.response_length, ppo.batch_size)'),),
+      "the controller fed the per-token KL instead of the KL per response"),
+    M("kl_controller_one_step", "adaptive KL", (POLICY,),
+      (("        self.value *= 1 + proportional_error * n_steps / self.horizon",
+        "        self.value *= 1 + proportional_error / self.horizon"),),
+      "the controller's move not scaled by the batch's episodes"),
+    M("value_head_random_init", "value head initialization", (POLICY,),
+      (("        if zero_init:\n", "        if False:\n"),),
+      "the value head keeps nn.Linear's random initialization"),
+    M("logprobs_without_temperature", "logits scaled by the sampling temperature", (POLICY,),
+      (("    return vocabulary_logits(lm, hidden, pad_id) / temperature", "    return vocabulary_logits(lm, hidden, pad_id)"),),
+      "log-probs from the raw logits"),
+    M("kl_sign", "per-token KL penalty", (POLICY,),
+      (("    kl = logprobs - ref_logprobs\n", "    kl = ref_logprobs - logprobs\n"),),
+      "KL(reference || policy)'s sign: ref_logprobs - logprobs"),
+    M("kl_penalty_sign", "per-token KL penalty", (POLICY,),
+      (("    non_score_reward = -kl_coef * kl\n", "    non_score_reward = kl_coef * kl\n"),),
+      "the KL as a bonus instead of a penalty"),
+    M("score_on_the_first_token", "per-token KL penalty", (POLICY,),
+      (("    rewards[:, -1] += scores\n", "    rewards[:, 0] += scores\n"),),
+      "the score added on the first response token instead of the last"),
+    M("reward_whitening_shifts_the_mean", "per-minibatch reward and advantage whitening", (POLICY,),
+      (("        rewards = whiten(rewards, shift_mean=False)", "        rewards = whiten(rewards)"),),
+      "the rewards whitened to mean 0"),
+    M("advantages_not_whitened", "per-minibatch reward and advantage whitening", (POLICY,),
+      (("    return (whiten(advantages) if ppo.whiten_advantages else advantages), returns",
+        "    return advantages, returns"),),
+      "the advantages as GAE gives them"),
+    M("whitening_unbiased_variance", "per-minibatch reward and advantage whitening", (POLICY,),
+      (("    var = values.var((-2, -1), unbiased=False, keepdim=True)", "    var = values.var((-2, -1), keepdim=True)"),),
+      "the unbiased variance (tf.nn.moments is biased)"),
+    M("returns_from_whitened_advantages", "GAE", (POLICY,),
+      (("    returns = advantages + values\n    return (whiten(advantages) if ppo.whiten_advantages else advantages), "
+        "returns", "    advantages = whiten(advantages) if ppo.whiten_advantages else advantages\n    return advantages, "
+        "advantages + values"),),
+      "the returns computed from the whitened advantages"),
+    M("gae_no_gamma_in_delta", "discount factor 1", (POLICY,),
+      (("        delta = rewards[..., t] + ppo.gamma * next_value - values[..., t]",
+        "        delta = rewards[..., t] + next_value - values[..., t]"),),
+      "δ_t without γ"),
+    M("gae_lambda_without_gamma", "GAE", (POLICY,),
+      (("        last_advantage = delta + ppo.gamma * ppo.lam * last_advantage",
+        "        last_advantage = delta + ppo.lam * last_advantage"),),
+      "A_t = δ_t + λ A_{t+1}, without γ"),
+    M("gae_next_value_off_by_one", "GAE", (POLICY,),
+      (("        next_value = values[..., t + 1] if t + 1 < length else 0.0",
+        "        next_value = values[..., t] if t + 1 < length else 0.0"),),
+      "V_t in place of V_{t+1}"),
+    M("value_clip_min", "clipped value function", (POLICY,),
+      (("    vf_loss = 0.5 * (torch.max(vf_losses1, vf_losses2) if ppo.clip_value else vf_losses1).mean()",
+        "    vf_loss = 0.5 * (torch.min(vf_losses1, vf_losses2) if ppo.clip_value else vf_losses1).mean()"),),
+      "the smaller of the two squared errors"),
+    M("value_clip_around_zero", "clipped value function", (POLICY,),
+      (("    vpred_clipped = values + torch.clamp(vpred - values, -ppo.cliprange_value, ppo.cliprange_value)",
+        "    vpred_clipped = torch.clamp(vpred, -ppo.cliprange_value, ppo.cliprange_value)"),),
+      "the prediction clipped around 0, not around the rollout's value"),
+    M("rank_seeds_equal", "different seeds for different processes", BOTH,
+      (("    torch.manual_seed(args.seed + accelerator.process_index * RANK_SEED_STRIDE)",
+        "    torch.manual_seed(args.seed)"),),
+      "every process samples with the same seed"),
+    M("one_shuffle_per_update", "batches and minibatches", (POLICY,),
+      (("    order = torch.stack([share[torch.randperm(share.numel(), device=device)] for share in rows])",
+        "    order = rows"),),
+      "the minibatches in the rollout's order, not shuffled every epoch"),
+    M("step_per_epoch", "batches and minibatches", (POLICY,),
+      (("                    with accelerator.accumulate(policy):", "                    if True:"),
+       ("                        optimizer.step()\n                        optimizer.zero_grad()\n",
+        "                        pass\n"),
+       ("        policy.eval()\n        timer(\"time/ppo_epochs\")", "            optimizer.step()\n"
+        "            optimizer.zero_grad()\n        policy.eval()\n        timer(\"time/ppo_epochs\")"),),
+      "one optimizer step per epoch over the summed minibatch losses"),
+    # the PPO losses
+    M("ratio_inverted", "PPO policy loss", (POLICY,),
+      (("    ratio = torch.exp(log_ratio)\n", "    ratio = torch.exp(-log_ratio)\n"),), "the ratio old / new"),
+    M("policy_clip_min", "PPO policy loss", (POLICY,),
+      (("    pg_loss = torch.max(pg_losses1, pg_losses2).mean()", "    pg_loss = torch.min(pg_losses1, pg_losses2).mean()"),),
+      "the optimistic bound instead of the pessimistic one"),
+    M("policy_clip_twice_as_wide", "PPO policy loss", (POLICY,),
+      (("torch.clamp(ratio, 1 - ppo.cliprange, 1 + ppo.cliprange)",
+        "torch.clamp(ratio, 1 - 2 * ppo.cliprange, 1 + 2 * ppo.cliprange)"),),
+      "the ratio clipped at ±0.4"),
+    M("value_loss_unweighted", "PPO loss", (POLICY,),
+      (("    loss = pg_loss + ppo.vf_coef * vf_loss\n", "    loss = pg_loss + vf_loss\n"),), "vf_coef left out"),
+    M("approxkl_without_half", "PPO statistics", (POLICY,),
+      (('            "ppo/policy/approxkl": 0.5 * (log_ratio**2).mean(),',
+        '            "ppo/policy/approxkl": (log_ratio**2).mean(),'),),
+      "approxkl as the mean squared log-ratio, without OpenAI's 1/2"),
+    # log-probs and entropy
+    M("entropy_without_logsumexp", "entropy", (POLICY,),
+      (("        entropy = log_normalizer - ((logits - log_normalizer.unsqueeze(-1)).exp() * logits).sum(-1)",
+        "        entropy = -((logits - log_normalizer.unsqueeze(-1)).exp() * logits).sum(-1)"),),
+      "the entropy without its log-normalizer"),
+    M("logprobs_shifted", "log-probs", (POLICY,),
+      (("        hidden = padded_forward(self.lm.base_model, query_responses, pad_id)[:, context_length - 1 : -1]",
+        "        hidden = padded_forward(self.lm.base_model, query_responses, pad_id)[:, context_length:]"),),
+      "the policy's log-probs and values read one position late"),
+    M("log_softmax", "log-probs", (POLICY,),
+      (("    logprobs = logits.gather(2, tokens.unsqueeze(-1)).squeeze(-1) - log_normalizer",
+        "    logprobs = F.log_softmax(logits, -1).gather(2, tokens.unsqueeze(-1)).squeeze(-1)"),),
+      "F.log_softmax in place of logit - logsumexp",
+      equivalent="the same function; torch's float32 log_softmax on a CPU is ~1e-4 nats off float64 on this "
+      "task where logit - logsumexp is ~1e-6 (docs/side-by-side.md): rounding, not a semantic change"),
+    M("logprobs_unscaled_in_rollout", "logits scaled by the sampling temperature", (POLICY,),
+      (("                                                              pad_id, scale, args.micro_batch_size)",
+        "                                                              pad_id, 1.0, args.micro_batch_size)"),),
+      "the rollout's log-probs from the raw logits, the PPO epochs' from logits / T"),
+    # the reward model
+    M("normalization_sample_std", "reward normalization before and after", (REWARD,),
+      (("        return mean, math.sqrt(max(square_mean - mean**2, 0.0))",
+        "        return mean, math.sqrt(max(square_mean - mean**2, 0.0) * n / (n - 1))"),),
+      "the sample standard deviation instead of the population one"),
+    M("normalization_bias_unscaled", "reward normalization before and after", (REWARD,),
+      (("    model.reward_bias.fill_(-mean / std)", "    model.reward_bias.fill_(-mean)"),), "bias = -μ, not -μ/σ"),
+    M("label_order_other_seed", "label order", (REWARD,),
+      (("np.random.RandomState(args.seed).permutation(args.labels.num_train)",
+        "np.random.RandomState(args.seed + 1).permutation(args.labels.num_train)"),),
+      "the labels in another order than OpenAI's for the seed"),
+    M("labels_unshuffled", "label order", (REWARD,),
+      (("np.random.RandomState(args.seed).permutation(args.labels.num_train)", "np.arange(args.labels.num_train)"),),
+      "the labels in file order"),
+    M("best_of_n_sees_pads", "padding", (REWARD,),
+      (("        sees = sees & is_token[:, None, :] | torch.eye(", "        sees = sees | torch.eye("),),
+      "in the best-of-4 forward, tokens attend to the pads"),
+    M("labels_split_strided", "batches", (REWARD,),
+      (("        local_ids = global_ids[accelerator.process_index * args.local_batch_size :][: args.local_batch_size]",
+        "        local_ids = global_ids[accelerator.process_index :: accelerator.num_processes]"),),
+      "each process takes every world_size-th label of a step (OpenAI's split) instead of a block",
+      equivalent="the same labels make up the step and DDP averages their gradients: only the order of the sums "
+      "changes (OpenAI splits strided, this project in blocks)"),
+]  # fmt: skip
+
+COMPARISON = [  # tests/test_openai_reference.py, the ones that end soonest first
+    "test_queries_are_cut_at_the_start_and_end_text_as_openais_dataset_cuts_them",
+    "test_the_sampler_gives_openais_samples_openais_logprobs",
+    "test_reward_model_training_matches_openai_one_rank",
+    "test_ppo_update_1_matches_openai[1-1]",
+    "test_policy_scenarios_match_openai[details]",
+    "test_policy_scenarios_match_openai[plain]",
+    "test_reward_scenarios_match_openai[padded]",
+    "test_ppo_update_1_matches_openai[1-2]",
+    "test_teacher_forced_updates_match_openai",
+    "test_ppo_update_1_matches_openai[2-1]",
+    "test_ppo_update_1_matches_openai[2-2]",
+    "test_reward_model_training_matches_openai_two_ranks",
+    "test_free_running_curves_agree_with_openais_seeds",
+]
+SECOND_TIER = ["tests/test_policy_units.py", "tests/test_reward_units.py", "tests/test_shared_helpers.py",
+               "tests/test_mixed_precision.py", "tests/test_tasks.py", "tests/test_e2e.py"]  # fmt: skip
+"""The suite's unit and end-to-end tests of the scripts, run on what the comparison misses."""
+
+
+@dataclass
+class Args:
+    out: str = "runs/mutations"
+    """where the results and the table go"""
+    only: tuple[str, ...] = ()
+    """run these mutations only (default: all)"""
+    list: bool = False
+    """print the mutations, one line each, and exit"""
+    report_only: bool = False
+    """only write the table, from OUT/results.jsonl"""
+    second_tier: bool = True
+    """give what the comparison misses to the unit and end-to-end tests (SECOND_TIER)"""
+    timeout: int = 900
+    """seconds per test run"""
+
+
+def apply(mutation: Mutation, root: Path) -> None:
+    """The mutation's edits in the copy at `root`: each `old` exactly once per file, or an error naming it."""
+    for name in mutation.files:
+        path = root / name
+        text = path.read_text()
+        for old, new in mutation.edits:
+            if text.count(old) != 1:
+                raise SystemExit(f"mutation {mutation.name}: its code occurs {text.count(old)} times in {name}, not "
+                                 f"once: update the mutation ({old.strip()[:60]!r})")  # fmt: skip
+            text = text.replace(old, new)
+        path.write_text(text)
+
+
+def copy_repository(source: Path, destination: Path) -> Path:
+    """The tracked files (git ls-files) of `source` copied to `destination`, as a git repository of their own (tests
+    read the tracked files), the caches (.cache/: the tokenizer, the tiny models) linked."""
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=source, capture_output=True, text=True, check=True).stdout
+    names = [name for name in names.split("\0") if name and (source / name).is_file()]
+    for name in names:
+        (destination / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source / name, destination / name)
+    (destination / ".cache").symlink_to(REPO / ".cache")
+    subprocess.run(["git", "init", "-q"], cwd=destination, check=True)
+    subprocess.run(["git", "add", "--", *names], cwd=destination, check=True)
+    return destination
+
+
+def first_failure(output: str) -> Optional[dict]:
+    """The first failing test of a pytest -x run and its message (what differed, where): the `E` lines of an assert,
+    or the text of a pytest.fail without a traceback."""
+    test = re.search(r"^(?:FAILED|ERROR) (\S+)", output, re.MULTILINE)
+    if not test:
+        return None
+    section = re.search(r"^_{3,} (?:ERROR .*?)?\S+ _{3,}\n(.*?)(?=^_{3,} |^={3,})", output, re.MULTILINE | re.DOTALL)
+    lines = section.group(1).strip().splitlines() if section else []
+    errors = [line[1:].strip() for line in lines if line.startswith("E ")]
+    message = errors[0] if errors else next((line.strip() for line in lines if line.strip()), "")
+    return {"test": test.group(1).split("::")[-1], "assertion": message[:240]}
+
+
+def run_tests(root: Path, tests: list[str], timeout: int) -> tuple[Optional[dict], float]:
+    start = time.time()
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
+    try:
+        result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=timeout, env=environment)
+    except subprocess.TimeoutExpired:
+        return {"test": "(timed out)", "assertion": f"no result in {timeout} s"}, time.time() - start
+    output = result.stdout + result.stderr
+    if result.returncode not in (0, 1):
+        return {
+            "test": "(pytest could not run)",
+            "assertion": output.strip().splitlines()[-1][:200],
+        }, time.time() - start
+    return first_failure(output), time.time() - start
+
+
+def study(mutation: Optional[Mutation], snapshot: Path, args: Args) -> dict:
+    """One mutation (None: the unmutated copy) applied to a fresh copy of `snapshot`, then the comparison, then the
+    second tier."""
+    with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
+        root = copy_repository(snapshot, Path(tmp))
+        if mutation is not None:
+            apply(mutation, root)
+        comparison = [f"tests/test_openai_reference.py::{test}" for test in COMPARISON]
+        caught, seconds = run_tests(root, comparison, args.timeout)
+        row = {"name": mutation.name if mutation else "(none)", "caught_by_comparison": caught, "seconds": seconds}
+        if caught is None and mutation is not None and args.second_tier:
+            row["caught_by_suite"], row["suite_seconds"] = run_tests(root, SECOND_TIER, args.timeout)
+    return row
+
+
+def write_table(out: Path) -> Path:
+    rows = {row["name"]: row for row in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    lines = ["| mutation | detail | the change | caught by | where |", "|---|---|---|---|---|"]
+    for mutation in MUTATIONS:
+        row = rows.get(mutation.name)
+        if row is None:
+            continue
+        caught = row["caught_by_comparison"] or row.get("caught_by_suite")
+        where = "the comparison" if row["caught_by_comparison"] else ("the suite" if caught else "not caught")
+        detail = f"`{caught['test']}`: {caught['assertion']}" if caught else mutation.equivalent or "**survived**"
+        lines.append(
+            f"| `{mutation.name}` | {mutation.area} | {mutation.what} | {where} | {detail.replace('|', '/')} |"
+        )
+    table = out / "mutations.md"
+    table.write_text("\n".join(lines) + "\n")
+    return table
+
+
+def main(args: Args) -> None:
+    out = Path(args.out)
+    if args.list:
+        for mutation in MUTATIONS:
+            print(f"{mutation.name:40} {mutation.area:45} {mutation.what}")
+        return
+    names = {mutation.name for mutation in MUTATIONS}
+    unknown = set(args.only) - names
+    if unknown:
+        raise SystemExit(f"error: --only {' '.join(sorted(unknown))}: no such mutation (--list shows them)")
+    if not args.report_only:
+        out.mkdir(parents=True, exist_ok=True)
+        # the working tree as it is now, once: every mutation is applied to the same code
+        snapshot = copy_repository(REPO, Path(tempfile.mkdtemp(prefix="mutations-snapshot-")))
+        baseline = study(None, snapshot, args)
+        if baseline["caught_by_comparison"] is not None:
+            raise SystemExit(f"error: the unmutated copy fails the comparison: {baseline['caught_by_comparison']}")
+        print(f"mutations: the unmutated copy passes the comparison ({baseline['seconds']:.0f} s)", flush=True)
+        if args.second_tier:
+            with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
+                failed, seconds = run_tests(copy_repository(snapshot, Path(tmp)), SECOND_TIER, args.timeout)
+            if failed is not None:
+                raise SystemExit(f"error: the unmutated copy fails the second tier: {failed}")
+            print(f"mutations: the unmutated copy passes the second tier ({seconds:.0f} s)", flush=True)
+        for mutation in [m for m in MUTATIONS if not args.only or m.name in args.only]:
+            row = study(mutation, snapshot, args)
+            with open(out / "results.jsonl", "a") as file:
+                file.write(json.dumps(row) + "\n")
+            caught = row["caught_by_comparison"] or row.get("caught_by_suite")
+            print(f"mutations: {mutation.name}: {caught['test'] + ': ' + caught['assertion'] if caught else 'NOT CAUGHT'}"
+                  f" ({row['seconds']:.0f} s)", flush=True)  # fmt: skip
+        shutil.rmtree(snapshot)
+    print(f"mutations: wrote {write_table(out)}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
