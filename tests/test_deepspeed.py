@@ -39,6 +39,7 @@ from tests.test_resume import (
     without_timings,
 )
 from train_policy_accelerate import load_reward_model
+from train_reward_accelerate import OPENAI_PAD_ID
 
 ZERO2_CONFIG = "benchmark/launch/deepspeed_zero2.yaml"
 CPU_LAUNCH = str(REPO / "tests" / "deepspeed_cpu.py")
@@ -165,10 +166,9 @@ def reward_scores(run: Path, labels: Path) -> torch.Tensor:
     queries = torch.tensor([record["query"] for record in records])
     samples = torch.tensor([[record[f"sample{i}"] for i in range(4)] for record in records])
     model = load_reward_model(str(run / "reward_model"))
-    with torch.no_grad():  # OpenAI's pad id in the files is ours here
-        return model(
-            queries.masked_fill(queries == 50259, model.pad_id), samples.masked_fill(samples == 50259, model.pad_id)
-        )
+    queries, samples = (x.masked_fill(x == OPENAI_PAD_ID, model.pad_id) for x in (queries, samples))  # ours here
+    with torch.no_grad():  # each query with each of its 4 samples, one row each
+        return model(queries.repeat_interleave(4, 0), samples.flatten(0, 1)).view(-1, 4)
 
 
 def test_zero2_reward_model_equals_ddp_and_keeps_its_normalization(zero2_reward, ddp_reward, tiny_assets):

@@ -95,7 +95,8 @@ def test_saved_reward_model_reloads_and_scores_identically(reward_run, tiny_asse
     labels = R.load_labels(str(tiny_assets["labels"]), tokenizer, label_args)
     held_out = slice(2000, 2192)
     with torch.no_grad():
-        scores = model(labels["queries"][held_out], labels["samples"][held_out])  # (192, 4)
+        samples = labels["samples"][held_out]  # (192, 4, T): each query with each of its 4 samples, one row each
+        scores = model(labels["queries"][held_out].repeat_interleave(4, 0), samples.flatten(0, 1)).view(-1, 4)
     final = [row for row in read_jsonl(reward_run / "metrics.jsonl") if "test/accuracy" in row][-1]
     assert (scores.argmax(1) == labels["best"][held_out]).sum().item() == round(final["test/accuracy"] * 192)
     queries, responses = torch.randint(0, 50257, (3, 64)), torch.randint(0, 50257, (3, 24))

@@ -1,7 +1,7 @@
-"""What a user takes away works outside the scripts: the reward model scores texts in the README's few lines (and a
-stock sequence-classification load refuses it instead of scoring with a random head), the trained model goes to
-the Hub, the sample tables go to wandb, services are checked before anything is written, gradient checkpointing
-changes nothing but memory."""
+"""What a user takes away works outside the scripts: the reward model scores texts in the few lines of
+docs/outputs-and-metrics.md (and a stock sequence-classification load refuses it instead of scoring with a random
+head), the trained model goes to the Hub, the sample tables go to wandb, services are checked before anything is
+written, gradient checkpointing changes nothing but memory."""
 
 import json
 import sys
@@ -48,7 +48,7 @@ def reward_model_dir(gpt2_tokenizer_dir, tmp_path_factory):
 def test_the_readme_snippet_scores_query_response_texts(reward_model_dir):
     directory, model, tokenizer = reward_model_dir
     directory = str(directory)
-    # --- README: score texts with the reward model
+    # --- docs/outputs-and-metrics.md: score texts with the reward model
     from transformers import AutoTokenizer
 
     from train_policy_accelerate import load_reward_model  # importing a script runs nothing

@@ -319,6 +319,30 @@ def test_the_details_page_lists_every_tagged_detail():
         assert f"| {name} |" in page, name
 
 
+READING_PATH_LINK = re.compile(r"\[`(\w+)`\]\((train_\w+\.py)#L(\d+)-L(\d+)\)")
+READING_PATH_TEST = re.compile(r"`(test_\w+\.py)(?:::(test_\w+))?`")
+
+
+def test_the_readmes_reading_path_points_at_the_lines_and_tests_it_names():
+    """Each row of the README's "Read it next to the blog": the link's lines are exactly the definition it names, and
+    the test it names exists. Fails with the lines to write when a script moves."""
+    rows = [line for line in (REPO / "README.md").read_text().splitlines() if READING_PATH_LINK.search(line)]
+    assert len(rows) >= 10
+    wrong = []
+    for row in rows:
+        name, script, first, last = READING_PATH_LINK.search(row).groups()
+        spans = {node.name: (node.lineno, node.end_lineno) for node in ast.parse((REPO / script).read_text()).body
+                 if isinstance(node, (ast.FunctionDef, ast.ClassDef))}  # fmt: skip
+        if spans.get(name) != (int(first), int(last)):
+            wrong.append(f"{name} in {script}: README says L{first}-L{last}, the file has {spans.get(name)}")
+        test_file, test_name = READING_PATH_TEST.search(row).groups()
+        assert (REPO / "tests" / test_file).exists(), test_file
+        if test_name:
+            tests = {getattr(node, "name", "") for node in ast.parse((REPO / "tests" / test_file).read_text()).body}
+            assert test_name in tests, f"{test_file}::{test_name}"
+    assert not wrong, wrong
+
+
 def test_no_file_cites_a_document_the_repository_does_not_have():
     files = [p for p in tracked_files() if p.suffix in (".py", ".md", ".sh", ".txt", ".toml", ".slurm", ".yaml")]
     assert len(files) > 20

@@ -420,7 +420,7 @@ def forward_check(out: Path, openai: OpenAI) -> dict:
     policy.value_head.load_state_dict(value_head.state_dict())
     reward_model = P.load_reward_model(str(assets / "reward_model"))
     query_tokens, response_tokens = (torch.from_numpy(x).long() for x in (queries, responses))
-    query_tokens, response_tokens = (torch.where(x == 50259, pad, x) for x in (query_tokens, response_tokens))
+    query_tokens, response_tokens = (torch.where(x == OPENAI_PAD_ID, pad, x) for x in (query_tokens, response_tokens))
     query_tokens = P.right_padding_to_left_padding(query_tokens, pad)
     tokens = torch.cat([query_tokens, response_tokens], 1)
 
