@@ -324,3 +324,21 @@ def test_a_label_file_without_spare_records_trains_without_a_held_out_evaluation
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [row["step"] for row in rows if "train/loss" in row] == list(range(1, 9))
     assert not any("test/accuracy" in row for row in rows) and (tmp_path / "run" / "reward_model").is_dir()
+
+
+def test_each_process_draws_its_own_samples(tiny_assets, tmp_path):
+    """detail: different seeds for different processes — 2 processes simulate labels for the same query (a corpus of
+    one sentence): with seed + rank * 100003 their samples differ; with one seed for both, each record of one process
+    would have a twin from the other."""
+    corpus = tmp_path / "one_sentence.txt"
+    corpus.write_text("the cat sat on the mat and looked at the door .\n" * 64)
+    flags = ["--base-model", str(tiny_assets["model"]), "--task.query-dataset", str(corpus), "--output-dir",
+             str(tmp_path / "run"), "--labels.source", "sentiment", "--labels.num-train", "16",
+             "--labels.simulated-num-test", "8", "--batch-size", "8", "--rollout-batch-size", "8",
+             "--normalize-samples", "8", "--local-rollout-forward-batch-size", "8"]  # fmt: skip
+    result = run_script(REWARD, *flags, nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = json.loads((tmp_path / "run" / "labels.json").read_text())
+    assert len(records) == 24 and len({tuple(r["query"]) for r in records}) == 1  # one query, both processes
+    samples = {tuple(tuple(r[f"sample{i}"]) for i in range(4)) for r in records}
+    assert len(samples) == len(records), "two records drew the same 4 samples: the processes share a seed"

@@ -284,7 +284,7 @@ def read_curves(path: Path) -> dict[str, np.ndarray]:
 
 
 def test_free_running_curves_agree_with_openais_seeds(assets, reward_rows, tmp_path):
-    """OUR_SEEDS free-running runs here against OpenAI's 10: for every curve quantity, the mean of our seeds' last 10
+    """OUR_SEEDS free-running runs here against OpenAI's 30: for every curve quantity, the mean of our seeds' last 10
     updates lies within CURVE_Z standard errors of OpenAI's seeds (a sign error in the advantages, a KL on the
     wrong side, a broken controller move it by tens of them)."""
     openai = read_curves(REFERENCE / "curves_openai.csv")

@@ -773,3 +773,16 @@ def test_record_update_logs_the_kl_by_three_estimators_and_approxkls_largest(mon
         0.04
     )
     assert row["objective/kl_coef"] == 0.1 and row["ppo/episode"] == 16 and row["update"] == 2
+
+
+def test_minibatches_shuffle_each_share_afresh_every_epoch():
+    """detail: batches and minibatches — every epoch a new permutation of each whitening share's own rows (OAI's ranks
+    each shuffled their part of the batch), split into nminibatches; two epochs' orders differ."""
+    torch.manual_seed(0)
+    epochs = [P.minibatches(16, 2, 4, "cpu") for _ in range(2)]
+    for epoch in epochs:
+        assert len(epoch) == 4 and all(part.shape == (2, 2) for part in epoch)
+        order = torch.cat(epoch, 1)  # (shares, rows): each share a permutation of its own rows
+        assert torch.equal(order.sort(1).values, torch.arange(16).view(2, 8))
+        assert not torch.equal(order, torch.arange(16).view(2, 8))  # shuffled
+    assert not torch.equal(torch.cat(epochs[0], 1), torch.cat(epochs[1], 1))  # afresh every epoch
