@@ -232,7 +232,10 @@ def test_the_sampler_gives_openais_samples_openais_logprobs(assets):
     policy = S.write_warm_policy(assets, S.SAMPLING_SCENARIO)
     ours = S.sampler_logprobs(policy, given["queries"], given["responses"], scenario)
     difference = np.abs(ours - given["logprobs"])
-    assert difference.max() < SAMPLER_ATOL, np.unravel_index(difference.argmax(), difference.shape)
+    row, token = np.unravel_index(difference.argmax(), difference.shape)
+    assert difference.max() < SAMPLER_ATOL, (
+        f"log-prob of response {row}, token {token}: {difference.max():.3g} nats off"
+    )
 
 
 def test_the_scenarios_exercise_what_they_are_for():
@@ -270,9 +273,11 @@ def test_queries_are_cut_at_the_start_and_end_text_as_openais_dataset_cuts_them(
     query_length tokens, up to the last end token; texts without them skipped)."""
     theirs = np.load(REFERENCE / "scenario_details" / "replay.npz")["queries"]
     ours = S.openai_query_order(assets, 0, len(theirs), S.SCENARIOS["details"])
-    assert (theirs == S.OPENAI_PAD_ID).any() and np.array_equal(ours, theirs)
+    assert (theirs == S.OPENAI_PAD_ID).any()
+    assert np.array_equal(ours, theirs), f"details: {(ours != theirs).any(1).sum()} of {len(theirs)} queries differ"
     theirs = np.load(REFERENCE / "teacher" / "replay.npz")["queries"]  # the base task: the first 8 tokens
-    assert np.array_equal(S.openai_query_order(assets, 0, len(theirs)), theirs)
+    ours = S.openai_query_order(assets, 0, len(theirs))
+    assert np.array_equal(ours, theirs), f"base task: {(ours != theirs).any(1).sum()} of {len(theirs)} queries differ"
 
 
 def read_curves(path: Path) -> dict[str, np.ndarray]:

@@ -429,7 +429,7 @@ def test_a_pad_id_inside_the_models_vocabulary_is_never_sampled_and_has_no_proba
     contexts = torch.tensor([[pad_id, 15496, 995, 11], [15496, 995, 11, 339]])  # left-padded with that pad id
     torch.manual_seed(0)
     responses = P.sample_responses(lm, contexts, pad_id, 6, 0.7)
-    assert responses.shape == (2, 6) and not (responses == pad_id).any()
+    assert responses.shape == (2, 6) and not (responses == pad_id).any(), "the pad id was sampled"
     args = P.Args(local_rollout_forward_batch_size=2)
     args.task = P.TaskHParams(response_length=6, truncate_after=1, temperature=0.7)
     logprobs, ref_logprobs, _ = P.rollout_logprobs(

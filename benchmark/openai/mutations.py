@@ -234,9 +234,8 @@ MUTATIONS = [
     M("log_softmax", "log-probs", (POLICY,),
       (("    logprobs = logits.gather(2, tokens.unsqueeze(-1)).squeeze(-1) - log_normalizer",
         "    logprobs = F.log_softmax(logits, -1).gather(2, tokens.unsqueeze(-1)).squeeze(-1)"),),
-      "F.log_softmax in place of logit - logsumexp",
-      equivalent="the same function; torch's float32 log_softmax on a CPU is ~1e-4 nats off float64 on this "
-      "task where logit - logsumexp is ~1e-6 (docs/side-by-side.md): rounding, not a semantic change"),
+      "F.log_softmax in place of logit - logsumexp: the same function in exact arithmetic, but torch's float32 "
+      "log_softmax on a CPU is ~1e-4 nats off float64 on this task where logit - logsumexp is ~1e-6"),
     M("logprobs_unscaled_in_rollout", "logits scaled by the sampling temperature", (POLICY,),
       (("                                                              pad_id, scale, args.micro_batch_size)",
         "                                                              pad_id, 1.0, args.micro_batch_size)"),),
@@ -256,7 +255,7 @@ MUTATIONS = [
       (("np.random.RandomState(args.seed).permutation(args.labels.num_train)", "np.arange(args.labels.num_train)"),),
       "the labels in file order"),
     M("best_of_n_sees_pads", "padding", (REWARD,),
-      (("        sees = sees & is_token[:, None, :] | torch.eye(", "        sees = sees | torch.eye("),),
+      (("        sees = sees & is_token[:, None, :] | torch.eye(", "        sees = sees & (is_token | ~is_token)[:, None, :] | torch.eye("),),
       "in the best-of-4 forward, tokens attend to the pads"),
     M("labels_split_strided", "batches", (REWARD,),
       (("        local_ids = global_ids[accelerator.process_index * args.local_batch_size :][: args.local_batch_size]",
@@ -374,6 +373,12 @@ def study(mutation: Optional[Mutation], snapshot: Path, args: Args) -> dict:
     return row
 
 
+def shorten(message: str, width: int = 110) -> str:
+    """The start of an assertion message, cut at a word: the table names the test and what differed first."""
+    message = message.strip() or "(the test's assertion)"
+    return message if len(message) <= width else message[:width].rsplit(" ", 1)[0] + " …"
+
+
 def write_table(out: Path) -> Path:
     rows = {row["name"]: row for row in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
     lines = ["| mutation | detail | the change | caught by | where |", "|---|---|---|---|---|"]
@@ -383,7 +388,9 @@ def write_table(out: Path) -> Path:
             continue
         caught = row["caught_by_comparison"] or row.get("caught_by_suite")
         where = "the comparison" if row["caught_by_comparison"] else ("the suite" if caught else "not caught")
-        detail = f"`{caught['test']}`: {caught['assertion']}" if caught else mutation.equivalent or "**survived**"
+        detail = (
+            f"`{caught['test']}`: {shorten(caught['assertion'])}" if caught else mutation.equivalent or "**survived**"
+        )
         lines.append(
             f"| `{mutation.name}` | {mutation.area} | {mutation.what} | {where} | {detail.replace('|', '/')} |"
         )
