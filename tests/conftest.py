@@ -8,6 +8,7 @@ import os
 # builds one, even to look a file up in the cache only (as a --dry-run's memory estimate does)
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import atexit  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
@@ -32,7 +33,9 @@ REPO = Path(__file__).resolve().parents[1]
 # No test reaches any address but 127.0.0.1: the guard is on in this process from here on, and in every script that
 # script_environment starts (its PYTHONPATH); what they tried goes to a log that guard_the_loopback reads after each test
 LOOPBACK_DIR = Path(__file__).resolve().parent / "loopback"
-os.environ[loopback.LOG_VARIABLE] = tempfile.mkstemp(prefix="loopback-guard-", suffix=".log")[1]
+GUARD_LOG = Path(tempfile.mkstemp(prefix="loopback-guard-", suffix=".log")[1])
+atexit.register(GUARD_LOG.unlink, missing_ok=True)
+os.environ[loopback.LOG_VARIABLE] = str(GUARD_LOG)
 loopback.install()
 
 # `.ci/run` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`). Each worker, and each script it

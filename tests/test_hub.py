@@ -190,7 +190,8 @@ def test_sentiment_defaults_over_http_then_offline_from_the_warm_cache(hub, sent
     assert "/api/datasets/bookcorpus/bookcorpus/revision/refs%2Fconvert%2Fparquet" in paths  # the ref, one segment
     assert any(path.endswith("/plain_text/train/0001.parquet") for path in paths)
     assert "/datasets/vwxyzjn/lm-human-preferences/resolve/main/sentiment/offline_5k.json" in paths
-    assert "/gpt2/resolve/main/config.json" in paths or any("/model.safetensors" in path for path in paths)
+    sha = hub.repos["model", "gpt2"].sha("main")  # the commit of main, pinned: later files by it, not by "main"
+    assert f"/gpt2/resolve/{sha}/model.safetensors" in paths and "/gpt2/resolve/main/model.safetensors" not in paths
     size = sum(len(hub.repos["dataset", "bookcorpus/bookcorpus"].revisions["refs/convert/parquet"][f]) for f in
                ("plain_text/train/0000.parquet", "plain_text/train/0001.parquet"))  # fmt: skip
     announced = f"bookcorpus/bookcorpus: downloading 2 data files (plain_text/train/), {size / 1e3:.1f} kB, into"
@@ -244,14 +245,24 @@ def test_cnndm_defaults_over_http_then_offline_from_the_warm_cache(hub, tmp_path
     assert hub.requests[before:] == [] and (tmp_path / "p2" / "policy" / "model.safetensors").is_file()
 
 
-def test_a_warm_cache_reads_a_named_configuration_of_a_dataset_with_a_loading_script(hub, sentiment_cache, tmp_path):
+@pytest.fixture(scope="module")
+def second_run(hub, sentiment_cache, tmp_path_factory):
+    """A second run in a copy of the first one's cache, with bookcorpus's configuration named and --upload-model
+    (one run for two tests: the configuration changes what is read, the upload what happens after the save)."""
+    root, _, _ = sentiment_cache
+    directory = tmp_path_factory.mktemp("second")
+    shutil.copytree(root / "warm", directory / "home")
+    result, requests = run(hub, REWARD, directory / "home", *REWARD_SIZES, "--task.query-dataset-config", "plain_text",
+                           "--output-dir", str(directory / "reward"), "--upload-model", "--hf-repo-id",
+                           "tester/sentiment-reward", HF_TOKEN=TOKEN)  # fmt: skip
+    return directory, result, requests
+
+
+def test_a_warm_cache_reads_a_named_configuration_of_a_dataset_with_a_loading_script(second_run):
     """bookcorpus loaded once without a configuration, then with `plain_text`: `datasets` answers the refused script
     with the dataset it cached ("Couldn't find cache ... for config 'plain_text'") unless the script is asked about
     first (rlhf_data.ships_loading_script)."""
-    root, _, _ = sentiment_cache
-    shutil.copytree(root / "warm", tmp_path / "home")
-    result, requests = run(hub, REWARD, tmp_path / "home", *REWARD_SIZES, "--task.query-dataset-config", "plain_text",
-                           "--output-dir", str(tmp_path / "reward"))  # fmt: skip
+    _, result, requests = second_run
     assert result.returncode == 0, result.stderr[-3000:]
     assert "bookcorpus/bookcorpus ships a loading script: reading the Hub's Parquet conversion" in result.stdout
     assert "downloading" not in result.stdout  # the same Parquet files, from the cache
@@ -316,18 +327,14 @@ def test_the_hub_gone_mid_download_is_one_line_and_nothing_half_downloaded_is_re
 
 # ---------------------------------------------------------------------------------------------------------------------
 # --upload-model
-def test_upload_model_pushes_the_reward_model_to_the_hub(hub, sentiment_cache, tmp_path):
+def test_upload_model_pushes_the_reward_model_to_the_hub(hub, second_run):
     """huggingface_hub's upload: whoami, create the repo, ask how to send each file (all "regular" here: inline,
     base64), commit. What arrives is the saved directory, byte for byte."""
-    root, _, _ = sentiment_cache
-    shutil.copytree(root / "warm", tmp_path / "home")
-    output_dir = tmp_path / "reward"
-    result, requests = run(hub, REWARD, tmp_path / "home", *REWARD_SIZES, "--output-dir", str(output_dir),
-                           "--upload-model", "--hf-repo-id", "tester/sentiment-reward", HF_TOKEN=TOKEN)  # fmt: skip
+    directory, result, requests = second_run
     assert result.returncode == 0, result.stderr[-3000:]
     assert UPLOAD_ROUTES <= routes(requests)
     uploaded = hub.repos["model", "tester/sentiment-reward"].revisions["main"]
-    saved = {path.name: path.read_bytes() for path in (output_dir / "reward_model").iterdir()}
+    saved = {path.name: path.read_bytes() for path in (directory / "reward" / "reward_model").iterdir()}
     assert uploaded == saved and "model.safetensors" in saved
 
 
