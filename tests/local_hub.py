@@ -49,7 +49,6 @@ class Repo:
     """A repo: each revision (a branch or ref name) maps file paths to their bytes."""
 
     revisions: dict[str, dict[str, bytes]]
-    private: bool = False
 
     def sha(self, revision: str) -> str:
         """A stable 40-hex commit id per revision: the same files give the same sha in every session."""
@@ -79,8 +78,8 @@ class LocalHub:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def add(self, kind: str, repo_id: str, files: dict[str, bytes], revision: str = "main", **options) -> None:
-        repo = self.repos.setdefault((kind, repo_id), Repo({}, **options))
+    def add(self, kind: str, repo_id: str, files: dict[str, bytes], revision: str = "main") -> None:
+        repo = self.repos.setdefault((kind, repo_id), Repo({}))
         repo.revisions[revision] = {path: bytes(content) for path, content in files.items()}
 
     def start(self) -> "LocalHub":
@@ -99,9 +98,6 @@ class LocalHub:
 
     def gone_after(self, path: str, nbytes: int) -> None:
         self.cut[path] = nbytes
-
-    def routes(self, since: int = 0) -> set[str]:
-        return {f"{method} {route}" for method, route, _ in self.requests[since:]}
 
 
 class HubError(Exception):
@@ -201,7 +197,7 @@ class HubHandler(BaseHTTPRequestHandler):
 
     def find(self, kind: str, repo_id: str, revision: str) -> tuple[Repo, str]:
         repo = self.hub.repos.get((kind, repo_id))
-        if repo is None or (repo.private and not self.authorized()):
+        if repo is None:
             raise HubError(401, "RepoNotFound", "Repository not found")
         name = repo.revision(revision)
         if name is None:
@@ -263,7 +259,7 @@ class HubHandler(BaseHTTPRequestHandler):
     def repo_info(self, method, kind, repo_id, revision, **_):
         repo, name = self.find(kind, repo_id, revision)
         sha = repo.sha(name)
-        info = {"_id": sha[:24], "id": repo_id, "author": repo_id.split("/")[0], "sha": sha, "private": repo.private,
+        info = {"_id": sha[:24], "id": repo_id, "author": repo_id.split("/")[0], "sha": sha, "private": False,
                 "gated": False, "disabled": False, "downloads": 0, "likes": 0, "tags": [],
                 "lastModified": "2024-01-01T00:00:00.000Z", "createdAt": "2024-01-01T00:00:00.000Z",
                 "siblings": [{"rfilename": path} for path in sorted(repo.revisions[name])]}  # fmt: skip
