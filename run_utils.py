@@ -80,7 +80,8 @@ class RunArgs:
     engine would hold the weights themselves in bf16)"""
     allow_tf32: bool = False
     """TF32 matmuls on Ampere and newer GPUs (~1e-3 relative error per matmul, several times fp32's speed: what an
-    fp32 run on a GPU wants); no effect on CPU"""
+    fp32 run on a GPU wants) for the trunk and every gradient; the LM, value and reward heads' forward products stay
+    fp32, as OpenAI's; no effect on CPU"""
     gradient_checkpointing: bool = False
     """recompute the trained model's activations in the backward pass instead of keeping them (memory knob for large
     models: one more forward per backward; same math to float rounding)"""
