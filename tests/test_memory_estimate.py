@@ -86,13 +86,15 @@ def test_policy_parts_on_a_hand_checked_example():
         "reward_model": 4 * (900 + 8 + 3),  # backbone, scalar head, gain, bias
         # 4 rows x 7 tokens x 3 layers x (9 d + 2 inner) fp32 values = 4 * 7 * 3 * 136 * 4
         "activations": 4 * 7 * 3 * 544,
-        "logits": 4 * 4 * (4 * 3 * 50),  # 4 copies, fp32, (4 rows, 3 positions, 50)
+        # 5 copies, fp32, (4 rows, 3 positions, 50): the saved logits, the gather's gradient, logsumexp's backward's
+        # logits - logsumexp, its exp and their product
+        "logits": 5 * 4 * (4 * 3 * 50),
         # the larger of sampling: 4 rows x (KV cache 2 x 3 layers x 7 tokens x 8 x 4 B + 2 fp32 step logits) = 6976,
         # and scoring: 4 rows x (3 copies of 3 x 50 fp32 logits + 7 tokens x (8 + 2 x 32) fp32) = 4 * (1800 + 2016)
         "rollout": 4 * (1800 + 2016),
     }
     static = 4 * trained * 2 + 8 * trained + 4000 + 3644
-    assert run_utils.peak_memory_total(parts) == static + 4 * 7 * 3 * 544 + 4 * 4 * (4 * 3 * 50)  # training > rollout
+    assert run_utils.peak_memory_total(parts) == static + 4 * 7 * 3 * 544 + 5 * 4 * (4 * 3 * 50)  # training > rollout
 
 
 def test_bf16_checkpointing_zero2_and_direct_rl_parts_on_the_example():
@@ -102,7 +104,8 @@ def test_bf16_checkpointing_zero2_and_direct_rl_parts_on_the_example():
     checkpointed = run_utils.peak_memory_parts(small_policy(gradient_checkpointing=True), SMALL, SMALL, 2, 0)
     assert checkpointed["activations"] == 4 * 7 * (3 * 4 * 8 + 544)  # each layer's fp32 input, one layer recomputed
     zero2 = run_utils.peak_memory_parts(small_policy(), SMALL, SMALL, 2, zero_stage=2)
-    assert zero2["gradients"] == 4 * 1009 / 2 + 2_000_000_000 and zero2["optimizer"] == 12 * 1009 / 2
+    # the reduce bucket: 5e7 fp32 values (check_launch sets DeepSpeed's reduce_bucket_size; its own default is 5e8)
+    assert zero2["gradients"] == 4 * 1009 / 2 + 200_000_000 and zero2["optimizer"] == 12 * 1009 / 2
     assert zero2["weights"] == 4 * 1009
     direct = run_utils.peak_memory_parts(small_policy(), SMALL, None, 2, 0)  # --rewards.function: no reward model
     assert "reward_model" not in direct
