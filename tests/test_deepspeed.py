@@ -200,10 +200,12 @@ def test_zero2_reward_model_equals_ddp_and_keeps_its_normalization(zero2_reward,
 PPO_ACCUMULATE = ["--ppo.gradient-accumulation-steps", "2"]
 
 
-def tiny_policy(argv: list[str], assets, reward_model: Path, output_dir: Path, *extra: str) -> list[str]:
+def tiny_policy(
+    argv: list[str], assets, reward_model: Path, output_dir: Path, *extra: str, nproc: int = 2
+) -> list[str]:
     values = {"--base-model": str(assets["model"]), "--rewards.trained-model": str(reward_model),
               "--output-dir": str(output_dir)}  # fmt: skip
-    return tiny(argv, values, policy_flags(assets, reward_model, output_dir, *extra))
+    return tiny(argv, values, policy_flags(assets, reward_model, output_dir, *extra), nproc)
 
 
 @pytest.fixture(scope="module")
@@ -269,8 +271,10 @@ def test_zero2_with_torch_adam_runs_large_models_sh_end_to_end(tiny_assets, ddp_
 
 
 def test_bf16_under_deepspeed_is_refused_with_one_line(tiny_assets, ddp_reward, tmp_path):
+    """large_models.sh's policy command with --mixed-precision bf16, launched under ZeRO-2 (one process: the refusal
+    comes before any collective)."""
     output_dir = tmp_path / "run"
-    command = tiny_policy(large_model_commands()[1], tiny_assets, ddp_reward / "reward_model", output_dir)
+    command = tiny_policy(large_model_commands()[1], tiny_assets, ddp_reward / "reward_model", output_dir, nproc=1)
     result = subprocess.run([*command, "--mixed-precision", "bf16"], capture_output=True, text=True, timeout=300,
                             env=zero2_environment(), cwd=REPO)  # fmt: skip
     assert result.returncode != 0

@@ -1,13 +1,13 @@
 """The air-gapped GPU node path, on this CPU: benchmark/launch/gpu/prepare.sh builds a bundle (here for this Python)
-where PyPI is reachable; then, in a fresh virtual environment that has only a preinstalled PyTorch stack (torch 2.13 and
-the target stack's versions of transformers, accelerate, huggingface_hub, tokenizers), with the network cut
-(`unshare -n`) and its site-packages mounted read-only, benchmark/launch/gpu/check.sh installs what the node lacks from
-the bundle, with no index, into a directory of its own, and writes its JSON line. CI runs the tiny model's zero2
-configuration (on a CPU: accelerate launch with the ZeRO-2 config, DeepSpeed installed from the bundle; its policy
-stage trains and evaluates a reward model first, so both scripts run): one configuration, as the others go through
-the same install and imports (tests/test_throughput.py runs throughput.py's stages, tests/test_e2e.py and
-tests/test_mixed_precision.py the precisions); `RUNS` runs any other the same way. Also: check.sh's plan, and a
-configuration past its time limit."""
+where PyPI is reachable; then, in a fresh virtual environment that has only a preinstalled PyTorch stack (torch 2.13,
+linked from this environment, and the target stack's versions of transformers, accelerate, huggingface_hub,
+tokenizers), with the network cut (`unshare -n`) and its site-packages mounted read-only,
+benchmark/launch/gpu/check.sh installs what the node lacks from the bundle, with no index, into a directory of its
+own, and writes its JSON line. CI runs the tiny model's zero2 configuration (on a CPU: accelerate launch with the ZeRO-2
+config, DeepSpeed installed from the bundle; its policy stage trains and evaluates a reward model first, so both
+scripts run): one configuration, as the others go through the same install and imports (tests/test_throughput.py
+runs throughput.py's stages, tests/test_e2e.py and tests/test_mixed_precision.py the precisions); `RUNS` runs any
+other the same way. Also: check.sh's plan, and a configuration past its time limit."""
 
 import json
 import os
@@ -21,9 +21,9 @@ import pytest
 from tests.conftest import REPO
 
 NODE_STACK = ["torch==2.13.0", "transformers==5.17.0", "accelerate==1.15.0", "huggingface_hub==1.33.0",
-              "tokenizers==0.23.*", "safetensors", "numpy", "rich", "tensorboard", "tqdm"]  # fmt: skip
+              "tokenizers==0.23.*", "safetensors", "numpy", "rich", "tqdm"]  # fmt: skip
 """The GPU node's preinstalled stack (torch 2.13 for this machine's CPU wheel instead of the node's 2.11): no tyro,
-no datasets, wandb or simulated labelers."""
+no tensorboard (check.sh runs with --no-tensorboard), no datasets, wandb or simulated labelers."""
 
 
 def test_every_module_level_import_of_the_check_path_is_in_the_node_stack_or_the_bundle():
@@ -79,6 +79,21 @@ def site_packages(python: Path) -> Path:
                                capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
 
 
+def link_torch(node_packages: Path) -> None:
+    """The node's torch: this environment's own build of NODE_STACK's version, linked into the node's site-packages
+    instead of unpacked there again (~1 GB of files: half the install's time). pip then counts it installed, as on the
+    node, and installs the rest of the stack; another version here is left to pip (which would replace, not reuse,
+    a linked one)."""
+    import torch
+
+    if f"torch=={torch.__version__.split('+')[0]}" not in NODE_STACK:
+        return
+    source = Path(torch.__file__).parents[1]
+    for name in ("torch", "functorch", "torchgen", f"torch-{torch.__version__}.dist-info"):
+        if (source / name).exists():
+            (node_packages / name).symlink_to(source / name)
+
+
 def snapshot(directory: Path) -> dict[str, float]:
     """Every file under `directory` and its modification time."""
     return {str(path.relative_to(directory)): path.stat().st_mtime for path in directory.rglob("*")}
@@ -88,6 +103,7 @@ def test_check_runs_offline_from_the_bundle_in_a_bare_environment(bundle, tmp_pa
     venv = tmp_path / "node-env"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
+    link_torch(site_packages(python))
     install = subprocess.run(
         [str(python), "-m", "pip", "install", "--quiet", "--no-compile", *NODE_STACK],
         capture_output=True,

@@ -173,7 +173,8 @@ def test_warn_if_memory_short_on_a_gpu_only(capsys):
 
 
 def test_dry_run_of_both_scripts_prints_the_estimate_and_the_flags(tiny_assets, tmp_path):
-    """--dry-run on a tiny local model: the estimate in the JSON line; with --gpu-memory-gb below it, one line on
+    """--dry-run on a tiny local model: the estimate in the JSON line (the same as run_utils computes for these flags
+    here, which on a CPU, without --gpu-memory-gb, warns of nothing); with --gpu-memory-gb below it, one line on
     stderr naming the flags; without a config here (a Hub model not in the cache) the estimate is listed as not
     checked."""
     (tmp_path / "constant_reward.py").write_text("def score(queries, responses):\n    return [0.0] * len(queries)\n")
@@ -181,15 +182,15 @@ def test_dry_run_of_both_scripts_prints_the_estimate_and_the_flags(tiny_assets, 
               "--task.passage-rows", "1", "--dry-run", "--output-dir", str(tmp_path / "run")]  # fmt: skip
     policy = [*common, "--rewards.function", "constant_reward:score", "--ppo.batch-size", "64"]
     reward = [*common, "--label-dataset", str(tiny_assets["small_labels"]), "--labels.num-train", "64"]
-    for script, flags, accumulation in (("train_policy_accelerate.py", policy, "--ppo.gradient-accumulation-steps"),
-                                        ("train_reward_accelerate.py", reward, "--gradient-accumulation-steps")):  # fmt: skip
-        result = run_script(script, *flags, env={"PYTHONPATH": str(tmp_path)})
-        assert result.returncode == 0 and "warning: the estimated" not in result.stderr, result.stderr[-3000:]
-        memory = json.loads(result.stdout.strip().splitlines()[-1])["estimated_peak_memory_gb"]
-        assert memory["total"] > memory["weights"] > 0 and "activations" in memory and "reward_model" not in memory
-        tight = run_script(
-            script, *flags, "--gpu-memory-gb", str(memory["total"] / 2), env={"PYTHONPATH": str(tmp_path)}
-        )
+    for module, flags, accumulation in ((train_policy_accelerate, policy, "--ppo.gradient-accumulation-steps"),
+                                        (train_reward_accelerate, reward, "--gradient-accumulation-steps")):  # fmt: skip
+        args = run_utils.task_cli(module.task_defaults, flags)
+        expected, no_warning = run_utils.memory_check(args, 1, 0, run_utils.gpu_memory_gb(args))
+        assert no_warning is None and expected["total"] > expected["weights"] > 0 and "activations" in expected
+        tight = run_script(f"{module.__name__}.py", *flags, "--gpu-memory-gb", str(expected["total"] / 2),
+                           env={"PYTHONPATH": str(tmp_path)})  # fmt: skip
+        assert json.loads(tight.stdout.strip().splitlines()[-1])["estimated_peak_memory_gb"] == expected
+        assert "reward_model" not in expected
         (warning,) = [line for line in tight.stderr.splitlines() if line.startswith("warning: the estimated")]
         assert tight.returncode == 0 and accumulation in warning, tight.stderr
     result = run_script("train_reward_accelerate.py", *reward, "--base-model", "no-such-org/no-such-model")
