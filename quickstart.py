@@ -408,8 +408,9 @@ def prepare_output_dir(output_dir: Path, args: argparse.Namespace, inputs: dict[
             )
             raise SystemExit(f"quickstart: {output_dir} holds an unfinished quick start with other flags ({differ} "
                              "differ): the same flags continue it, --overwrite starts it again")  # fmt: skip
-    for flag, value in inputs.items() if not continuing else ():  # nothing a run reads among what --overwrite removes
-        if (gone := run_utils.removed_container(value, [output_dir / name for name in previous])) is not None:
+    removed = [] if continuing else [output_dir / name for name in previous]
+    for flag, value in inputs.items():  # nothing a run reads may be among what --overwrite removes
+        if (gone := run_utils.removed_container(value, removed)) is not None:
             raise SystemExit(f"quickstart: {flag} {value} is inside {gone}, which --overwrite removes: move it first "
                              "or use another --output-dir")  # fmt: skip
     if check_inputs is not None:

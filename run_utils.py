@@ -62,7 +62,8 @@ class RunArgs:
     output_dir: Optional[str] = None
     """where args.json, metrics.jsonl, the logs and the trained model go; runs/<run_name> when not given"""
     overwrite: bool = False
-    """start again in an output directory that holds a previous run (its logs and checkpoints go)"""
+    """start again in an output directory that holds a previous run of this script (its logs and checkpoints go, once
+    every input is checked)"""
     resume: bool = False
     """continue the run in --output-dir from its newest checkpoint (from scratch if it has none; returns at once if it
     finished); every flag that changes the math must be as before"""
@@ -72,7 +73,8 @@ class RunArgs:
     checkpoint_keep: int = 2
     """keep the newest this many checkpoints"""
     dry_run: bool = False
-    """check every flag and every input the run will read, print the derived sizes and exit before loading a model"""
+    """check every flag and every input the run will read, print the derived sizes and exit before loading a model (a
+    Hub input is not fetched: it, and what needs it, are listed as not checked)"""
     mixed_precision: Literal["no", "bf16"] = "no"
     """bf16: the trunk's forwards under bf16 autocast with fp32 master weights and optimizer state; the LM head's
     logits, the value and reward heads, log-softmax, losses, rewards and advantages stay fp32, as OpenAI's (a GPU

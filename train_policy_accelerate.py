@@ -908,7 +908,7 @@ def validate_args(args: Args) -> Args:
 def read_inputs(args: Args):
     """What the run reads, checked before any model loads or anything is written: --output-dir, the services of
     --track / --upload-model, the reward model directory by its files' content (and that it reads tokens as the
-    policy writes them) or --rewards.function's import, the base model (its tokenizer and config, a causal LM, its
+    policy writes them) or --rewards.function (it imports, and scores a probe pair), the base model (its tokenizer and config, a causal LM, its
     weight files, positions for the longest sequence), the query texts (they must yield queries, and leave some to
     train on beside --eval-queries). Returns (tokenizer, query texts). A --dry-run fetches nothing from the Hub: it
     checks every local input and lists what it could not check (None for it)."""
@@ -928,7 +928,8 @@ def read_inputs(args: Args):
     if args.rewards.function is None:
         check_reward_model(args.rewards.trained_model, tokenizer, task)
     else:
-        reward_callable(args.rewards.function)  # its module imports, its labeler's package is installed
+        probe = reward_callable(args.rewards.function)(["A probe query."], ["A probe response."])  # it imports, runs
+        function_scores(args.rewards.function, probe, 1)  # and gives one number per pair
     if run_utils.available(task.query_dataset, "--task.query-dataset", dry_run):
         texts = rlhf_data.QueryTexts.of_task(task)
         if tokenizer is not None:
@@ -942,9 +943,9 @@ def check_queries(texts, tokenizer, args: Args) -> None:
     if args.task.gold_labeler is not None:
         stream = QueryStream(texts, tokenizer, args.task, tokenizer.pad_token_id, EVAL_SEED, chunk=args.eval_queries)
         stream.next_batch(args.eval_queries)  # as held_out_queries draws them
-        if stream.epoch:  # it went round the texts: the training stream would find none left
-            run_utils.fail(f"--eval-queries {args.eval_queries}: more held-out queries than the {len(texts)} texts of "
-                           f"--task.query-dataset yield, leaving none to train on; lower --eval-queries")  # fmt: skip
+        if stream.epoch or stream.used >= len(texts):  # it read every text: the training stream would find none
+            run_utils.fail(f"--eval-queries {args.eval_queries}: the held-out queries take all {len(texts)} texts of "
+                           "--task.query-dataset, leaving none to train on; lower --eval-queries")  # fmt: skip
         held_out = held_out_queries(texts, tokenizer, args.task, args.eval_queries)[2]
     QueryStream(texts, tokenizer, args.task, tokenizer.pad_token_id, args.seed, exclude=held_out).next_batch(1)
 
@@ -1023,15 +1024,18 @@ class RewardFunction(nn.Module):
 
     def forward(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
         scores = self.function(decode(self.tokenizer, queries), decode(self.tokenizer, responses))
-        try:
-            scores = torch.as_tensor(np.asarray(scores, dtype=np.float32), device=responses.device)
-        except (TypeError, ValueError) as error:
-            run_utils.fail(f"--rewards.function {self.spec}: returned scores that are not numbers ({error})")
-        if scores.shape != (len(responses),):
-            run_utils.fail(
-                f"--rewards.function {self.spec}: returned {tuple(scores.shape)} scores for {len(responses)} responses"
-            )
-        return scores
+        return function_scores(self.spec, scores, len(responses)).to(responses.device)
+
+
+def function_scores(spec: str, scores, n: int) -> torch.Tensor:
+    """What --rewards.function returned for n pairs as (n,) float32 scores, or one line naming the flag."""
+    try:
+        scores = torch.as_tensor(np.asarray(scores, dtype=np.float32))
+    except (TypeError, ValueError) as error:
+        run_utils.fail(f"--rewards.function {spec}: returned scores that are not numbers ({error})")
+    if scores.shape != (n,):
+        run_utils.fail(f"--rewards.function {spec}: returned {tuple(scores.shape)} scores for {n} responses")
+    return scores
 
 
 def reward_callable(spec: str):

@@ -779,8 +779,8 @@ def load_labels(path: str, tokenizer, args: Args) -> Optional[dict[str, torch.Te
     """A best-of-4 label file as tensors (OAI's books and summarization files alike: queries of --task.query-length,
     bare, without prefix/suffix), checked by rlhf_data.read_label_records; without a tokenizer (a --dry-run of a Hub
     --base-model), checked but for the token ids' vocabulary, and None."""
-    vocab_size = None if tokenizer is None else len(tokenizer) - (1 if tokenizer.pad_token == "[PAD]" else 0)  # our
-    # added pad is not in the files
+    # our added pad is not in the files
+    vocab_size = None if tokenizer is None else len(tokenizer) - (1 if tokenizer.pad_token == "[PAD]" else 0)
     lengths = {"query": args.task.query_length, **{f"sample{i}": args.task.response_length for i in range(NUM_SAMPLES)}}
     pad_ids = (OPENAI_PAD_ID,) if tokenizer is None else (OPENAI_PAD_ID, tokenizer.pad_token_id)
     records = rlhf_data.read_label_records(path, lengths, vocab_size, pad_ids, NUM_SAMPLES)

@@ -563,15 +563,20 @@ def test_passage_rows_beyond_the_file_and_an_empty_directory_name_the_cause(tmp_
         rlhf_data.QueryTexts(str(tmp_path / "empty"), None, "text")
 
 
-def test_a_reward_function_returning_words_is_one_line_naming_the_flag(gpt2_tokenizer_dir, tmp_path, monkeypatch):
-    """C3: a callable returning strings gave a ValueError traceback in the first update."""
+def test_a_reward_function_returning_words_is_one_line_naming_the_flag(tiny_assets, tmp_path, monkeypatch):
+    """C3: a callable returning strings gave a ValueError traceback in the first update; now its probe call at the
+    dry run says so, and so would any later call."""
     import torch
 
     import train_policy_accelerate as P
 
     (tmp_path / "badrew.py").write_text("def words(queries, responses):\n    return ['good'] * len(responses)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    function = P.RewardFunction("badrew:words", P.load_tokenizer(str(gpt2_tokenizer_dir)))
+    flags = ["--base-model", str(tiny_assets["model"]), "--rewards.function", "badrew:words", "--task.query-dataset",
+             str(tiny_assets["corpus"]), "--output-dir", str(tmp_path / "out"), "--dry-run"]  # fmt: skip
+    check_one_line_error(run_in_process(POLICY, *flags), "--rewards.function badrew:words: returned scores that are "
+                         "not numbers")  # fmt: skip
+    function = P.RewardFunction("badrew:words", P.load_tokenizer(str(tiny_assets["model"])))
     with pytest.raises(SystemExit) as failure:
         function(torch.tensor([[15496], [995]]), torch.tensor([[13], [11]]))
     assert str(failure.value).startswith("error: --rewards.function badrew:words: returned scores that are not numbers")
