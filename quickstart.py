@@ -529,18 +529,20 @@ def check_inputs(console, args, output_dir: Path) -> None:
             console.print(f"dry run: the flags are consistent; a real run first prepares {' and '.join(downloads)} "
                           f"into {cache}, then the training scripts check their inputs", markup=False)  # fmt: skip
         return
-    unchecked = output_dir / ".input-check"  # never made: the quick start checks its own directory itself
     reward_model = Path(args.reward_model) if args.reward_model else None  # None: --reward-function
     trained_here = args.reward_model is None and args.reward_function is None
     policy = argparse.Namespace(**{**vars(args), "reward_function": "sentiment"}) if trained_here else args
-    checks = [(train_policy_accelerate, policy_command(policy, base_model, corpus, reward_model, unchecked),
+    checks = [(train_policy_accelerate, policy_command(policy, base_model, corpus, reward_model, output_dir / "policy"),
                args.policy_args, not trained_here)]  # fmt: skip
     if trained_here:
-        checks.insert(0, (train_reward_accelerate, reward_command(args, base_model, corpus, unchecked),
+        checks.insert(0, (train_reward_accelerate, reward_command(args, base_model, corpus, output_dir / "reward"),
                           args.reward_args, True))  # fmt: skip
     for script, command, extra, report in checks:
+        flags = [*command[2:], *(["--dry-run"] if args.dry_run else [])]
+        flags[flags.index("--output-dir") + 1] = str(output_dir / ".input-check")  # never made: the quick start
+        # checks its own directory itself (prepare_output_dir), and passes --resume where it continues a phase
         try:
-            script_flags = script_args(script, [*command[2:], *(["--dry-run"] if args.dry_run else [])])
+            script_flags = script_args(script, flags)
             script.read_inputs(script_flags)
         except SystemExit as error:
             if not isinstance(error.code, str):
@@ -551,7 +553,10 @@ def check_inputs(console, args, output_dir: Path) -> None:
                           highlight=False, soft_wrap=True)  # fmt: skip
             run_utils.print_dry_run(script_flags, script.DRY_RUN_SIZES)
     if args.dry_run and trained_here:
-        console.print("dry run: the policy's reward model is made by the reward phase; a real run checks it then")
+        console.print(
+            "dry run: the policy's inputs are checked but its reward model, which the reward phase makes (a "
+            "real run checks it then)"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> dict | None:
