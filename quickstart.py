@@ -263,7 +263,7 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, outpu
     """Reject inconsistent flags before minutes go into the first phases, each with one line naming the quick-start
     flag. The quick start checks only its own flags; what it passes on, the training scripts check themselves, on the
     very commands a run will give them."""
-    for name in ("threads", "bootstrap_resamples"):
+    for name in ("threads", "bootstrap_resamples", "table_rows"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.eval_every < 0:  # 0 means "only before and after", which the policy script spells --eval-every UPDATES

@@ -929,7 +929,7 @@ def read_inputs(args: Args):
         check_reward_model(args.rewards.trained_model, tokenizer, task)
     else:
         probe = reward_callable(args.rewards.function)(["A probe query."], ["A probe response."])  # it imports, runs
-        function_scores(args.rewards.function, probe, 1)  # and gives one number per pair
+        function_scores(args.rewards.function, probe, 1, "cpu")  # and gives one number per pair
     if run_utils.available(task.query_dataset, "--task.query-dataset", dry_run):
         texts = rlhf_data.QueryTexts.of_task(task)
         if tokenizer is not None:
@@ -1024,13 +1024,13 @@ class RewardFunction(nn.Module):
 
     def forward(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
         scores = self.function(decode(self.tokenizer, queries), decode(self.tokenizer, responses))
-        return function_scores(self.spec, scores, len(responses)).to(responses.device)
+        return function_scores(self.spec, scores, len(responses), responses.device)
 
 
-def function_scores(spec: str, scores, n: int) -> torch.Tensor:
-    """What --rewards.function returned for n pairs as (n,) float32 scores, or one line naming the flag."""
+def function_scores(spec: str, scores, n: int, device) -> torch.Tensor:
+    """What --rewards.function returned for n pairs as (n,) float32 scores on `device`, or one line naming the flag."""
     try:
-        scores = torch.as_tensor(np.asarray(scores, dtype=np.float32))
+        scores = torch.as_tensor(np.asarray(scores, dtype=np.float32), device=device)
     except (TypeError, ValueError) as error:
         run_utils.fail(f"--rewards.function {spec}: returned scores that are not numbers ({error})")
     if scores.shape != (n,):
