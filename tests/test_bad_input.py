@@ -523,8 +523,9 @@ def test_a_float_token_id_is_reported_in_its_record(reward_base, tmp_path):
     assert last.endswith("record 4: 'sample2' has token id 1.5, not an integer"), last
 
 
-@pytest.mark.parametrize("script", [REWARD, POLICY])
-@pytest.mark.parametrize("text, shown", [("null", "null"), ("1", "1"), ('["a"]', '["a"]')])
+@pytest.mark.parametrize(
+    "script, text, shown", [(REWARD, "null", "null"), (POLICY, "1", "1"), (POLICY, '["a"]', '["a"]')]
+)
 def test_query_texts_that_are_not_text_are_refused_naming_the_record(tiny_assets, tmp_path, script, text, shown):
     """E3: null or numeric query texts became the strings "None", "1", ... and trained."""
     queries = tmp_path / "queries.jsonl"
