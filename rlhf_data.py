@@ -10,12 +10,14 @@ checks, and run_utils does not import it.
 import json
 import os
 import re
+import time
 from pathlib import Path
 from typing import Optional
+from urllib.parse import unquote
 
 import numpy as np
 
-from run_utils import check_source, console, fail, first_line, flag_errors, require_package
+from run_utils import check_source, console, fail, first_line, flag_errors, hub_offline, require_package
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -120,24 +122,27 @@ class QueryTexts:
     def read_dataset(self):
         """The Hub dataset's rows of `field`, a column of the cached Arrow files read when sliced. A repo that still
         ships a loading script (refused by `datasets` >= 4, e.g. bookcorpus/bookcorpus, webis/tldr-17) is read from
-        the Hub's automatic Parquet conversion instead (revision refs/convert/parquet; there, a configuration is a
-        directory)."""
+        the Hub's automatic Parquet conversion instead (PARQUET_CONVERSION; there, a configuration is a directory).
+        The first run downloads the data files (download_data_files says which and how big first) and converts
+        them into Arrow files in the datasets cache; later runs, and offline ones (HF_HUB_OFFLINE=1), read those."""
         require_package("datasets", "datasets", f"--task.query-dataset {self.name!r} (a Hub dataset or directory)")
         import datasets
 
         datasets.disable_progress_bars()
         flag = f"--task.query-dataset {self.name!r} (--task.query-dataset-config {self.config!r})"
         check_source(self.name, "--task.query-dataset")
-        console.print(f"{self.name}: read through the datasets cache (the first run fills it with the whole dataset)")
         try:
-            try:
-                dataset = datasets.load_dataset(self.name, self.config, split="train")
-            except RuntimeError as error:  # "Dataset scripts are no longer supported, but found NAME.py"
-                if "scripts are no longer supported" not in str(error):
-                    raise
-                console.print(f"{self.name} ships a loading script: reading the Hub's Parquet conversion of it")
-                dataset = datasets.load_dataset(self.name, split="train", revision="refs/convert/parquet",
-                                                data_dir=self.config)  # fmt: skip
+            if ships_loading_script(self.name):
+                console.print(
+                    f"{self.name} ships a loading script: reading the Hub's Parquet conversion of it", soft_wrap=True
+                )
+                builder = datasets.load_dataset_builder(self.name, revision=PARQUET_CONVERSION, data_dir=self.config)
+            else:
+                builder = datasets.load_dataset_builder(self.name, self.config)
+            if not os.path.isfile(os.path.join(builder.cache_dir, "dataset_info.json")):  # not in the cache yet
+                download_data_files(self.name, builder.config.data_files)
+            builder.download_and_prepare()  # what datasets.load_dataset does, in three steps
+            dataset = builder.as_dataset(split="train")
         except Exception as error:  # datasets, fsspec and httpx raise their own types for a missing repo or network
             fail(f"{flag}: cannot load it ({type(error).__name__}: {first_line(error)})")
         if self.field not in dataset.column_names:
@@ -152,6 +157,74 @@ class QueryTexts:
         world_size-th), from the `start`-th on."""
         order = np.random.default_rng([seed, epoch]).permutation(len(self))[rank::world_size]
         return (self[i] for i in order[start:])
+
+
+PARQUET_CONVERSION = "refs/convert/parquet"
+"""The git ref of a Hub dataset repo that holds the Hub's automatic conversion of its data to Parquet files."""
+
+
+def ships_loading_script(name: str) -> bool:
+    """Whether the Hub dataset `name` ships a loading script on its main branch (NAME.py, which `datasets` >= 4
+    refuses), asked of the Hub before `datasets` is asked for the dataset: once its cache holds the dataset,
+    `datasets` answers a refused script with the dataset it cached last, whatever its configuration, so that a
+    configuration other than the cached one fails ("Couldn't find cache"). The script is cached with the rest, so
+    that an offline run (HF_HUB_OFFLINE=1) knows too; a local directory has none."""
+    if os.path.isdir(name):
+        return False
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        hf_hub_download(name, f"{name.split('/')[-1]}.py", repo_type="dataset")
+    except EntryNotFoundError:  # not on the Hub, or offline: not in the cache
+        return False
+    return True
+
+
+def download_data_files(name: str, data_files) -> None:
+    """Before a Hub dataset's first use: say which data files `datasets` will read that are not in the Hugging Face
+    cache yet and how big they are (the Hub's tree listing), then download them there, where `datasets` finds them,
+    a line per file: tqdm's bars show on a terminal only, and a log (sbatch, nohup) would show nothing for minutes.
+    Every process of a machine does this (one downloads a file, the others wait on its lock); the first one says so."""
+    from huggingface_hub import HfApi, hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.hf_api import RepoFile
+
+    prefix, files = f"hf://datasets/{name}@", []  # (revision, path) of each file not in the cache yet
+    for url in [str(url) for split_files in (data_files or {}).values() for url in split_files]:
+        revision, _, path = url.removeprefix(prefix).partition("/")
+        if url.startswith(prefix):  # not a local file
+            cached = try_to_load_from_cache(name, path, revision=unquote(revision), repo_type="dataset")
+            files += [] if isinstance(cached, str) else [(unquote(revision), path)]
+    if not files or hub_offline():  # local files, or all cached; offline, `datasets` says what the cache lacks
+        return
+    listing = HfApi().list_repo_tree(name, repo_type="dataset", revision=files[0][0], recursive=True)
+    sizes = {entry.path: entry.size for entry in listing if isinstance(entry, RepoFile)}
+    total, folders = sum(sizes.get(path, 0) for _, path in files), sorted({os.path.dirname(p) + "/" for _, p in files})
+    first = os.environ.get("LOCAL_RANK", "0") == "0"
+
+    def say(text: str) -> None:
+        if first:
+            console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    say(
+        f"{name}: downloading {len(files)} data files ({', '.join(folders)}), {format_bytes(total)}, into the Hugging "
+        "Face cache, once; `datasets` then converts them into Arrow files in its cache"
+    )
+    start, done = time.perf_counter(), 0
+    for index, (revision, path) in enumerate(files, 1):
+        hf_hub_download(name, path, repo_type="dataset", revision=revision)
+        done += sizes.get(path, 0)
+        say(
+            f"{name}: {index}/{len(files)} files, {format_bytes(done)} of {format_bytes(total)}, "
+            f"{time.perf_counter() - start:.0f} s"
+        )
+
+
+def format_bytes(size: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
 
 
 # ---------------------------------------------------------------------------------------------------------------------

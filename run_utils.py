@@ -17,6 +17,7 @@ import json
 import math
 import netrc
 import os
+import re
 import shutil
 import signal
 import socket
@@ -109,7 +110,26 @@ def fail(message: str) -> NoReturn:
 
 
 def first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+    """An error's first line, and what caused it when that was the network or the Hub: a loader that could not
+    reach the Hub says so only in its error's causes (transformers: "Can't load the model for 'gpt2'..."). A Hub
+    error's first line is a status ("401 Client Error.") or a header ("... when trying to load gpt2:"), so the
+    next one comes with it, and a token the Hub refused is named as such."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()] or [type(error).__name__]
+    causes = [error]
+    while len(causes) < 10 and (causes[-1].__cause__ or causes[-1].__context__) is not None:
+        causes.append(causes[-1].__cause__ or causes[-1].__context__)
+    line = lines[0]
+    if any(kind.__name__ == "HfHubHTTPError" for cause in causes for kind in type(cause).__mro__):
+        if len(lines) > 1 and (line.endswith(":") or re.fullmatch(r"\d{3} \w+ Error\.", line)):
+            line = f"{line} {lines[1]}"
+        if any("Invalid credentials in Authorization header" in str(cause) for cause in causes):
+            line += ": the Hub refused the token (HF_TOKEN, or the one `hf auth login` saved)"
+    network = (ConnectionError, TimeoutError)
+    names = ("ConnectError", "ConnectTimeout", "ReadTimeout", "ReadError", "RemoteProtocolError")
+    lost = next((cause for cause in causes[1:] if isinstance(cause, network) or type(cause).__name__ in names), None)
+    if lost is not None:
+        line += f" (no answer from the Hub: {type(lost).__name__}: {(str(lost).strip().splitlines() or [''])[0]})"
+    return line
 
 
 @contextmanager

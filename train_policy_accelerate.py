@@ -1067,9 +1067,14 @@ def record_update(run, update: int, stats: dict, rollout: dict, timer, args: Arg
         "objective/score_total": (scores + non_score_reward).mean(),
     }
     ppo_stats = {key: torch.stack(items).mean() for key, items in stats.items()}
-    largest = {"ppo/policy/approxkl_max": torch.stack(stats["ppo/policy/approxkl"]).max()}
-    row = run_utils.reduce_metrics(accelerator, {**rollout_stats, **ppo_stats}, {"sync/kl_coef_spread": kl_coef},
-                                   largest)  # fmt: skip
+    # approxkl of each minibatch (the mean of its micro-batches, then of the processes), for the largest of them: a
+    # micro-batch is a process's share of a minibatch, so its own largest would change with the number of processes
+    minibatches = torch.stack(stats["ppo/policy/approxkl"]).view(-1, ppo.gradient_accumulation_steps).mean(1)
+    each = {f"minibatch/{i}/approxkl": value for i, value in enumerate(minibatches)}
+    row = run_utils.reduce_metrics(
+        accelerator, {**rollout_stats, **ppo_stats, **each}, {"sync/kl_coef_spread": kl_coef}
+    )
+    row["ppo/policy/approxkl_max"] = max(row.pop(key) for key in each)
     loop = {"PPO epoch": ppo.noptepochs, "minibatch": ppo.nminibatches, "micro-batch": ppo.gradient_accumulation_steps}
     where = run_utils.first_non_finite(torch.stack(stats["ppo/loss/total"]), loop, accelerator.process_index)
     run.stop_if_not_finite(row, update, where)

@@ -1,24 +1,42 @@
-"""Shared pytest fixtures: offline assets prepared once per session and cached in the repository's `.cache/`."""
+"""Shared pytest fixtures: offline assets prepared once per session and cached in the repository's `.cache/`; the
+loopback guard (tests/loopback/sitecustomize.py) on this process and on every script the tests run."""
 
-import hashlib
-import json
 import os
-import random
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
-import torch
-from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+# offline in this process too, as in the scripts the tests start (script_environment), set before huggingface_hub
+# reads it: online, huggingface_hub asks {HF_ENDPOINT}/api/agent-harnesses for its user agent the first time it
+# builds one, even to look a file up in the cache only (as a --dry-run's memory estimate does)
+os.environ["HF_HUB_OFFLINE"] = "1"
 
-import run_utils
-from quickstart_assets import prepare_gpt2_tokenizer
-from tests.tiny_task import synthetic_sentences, write_tiny_gpt2
+import atexit  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel  # noqa: E402
+
+import run_utils  # noqa: E402
+from quickstart_assets import prepare_gpt2_tokenizer  # noqa: E402
+from tests.loopback import sitecustomize as loopback  # noqa: E402
+from tests.tiny_task import synthetic_sentences, write_tiny_gpt2  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 """The repository root."""
+
+# No test reaches any address but 127.0.0.1: the guard is on in this process from here on, and in every script that
+# script_environment starts (its PYTHONPATH); what they tried goes to a log that guard_the_loopback reads after each test
+LOOPBACK_DIR = Path(__file__).resolve().parent / "loopback"
+GUARD_LOG = Path(tempfile.mkstemp(prefix="loopback-guard-", suffix=".log")[1])
+atexit.register(GUARD_LOG.unlink, missing_ok=True)
+os.environ[loopback.LOG_VARIABLE] = str(GUARD_LOG)
+loopback.install()
 
 # `.ci/run` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`). Each worker, and each script it
 # starts, gets one thread of the two cores; each test file runs whole on one worker, so its module fixtures are built
@@ -26,8 +44,9 @@ REPO = Path(__file__).resolve().parents[1]
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-SLOWEST_FILES = ("test_openai_reference.py", "test_deepspeed.py", "test_e2e.py", "test_resume.py", "test_slurm.py",
-                 "test_slurm_two_nodes.py", "test_quickstart.py", "test_gpu_bundle.py", "test_throughput.py")  # fmt: skip
+SLOWEST_FILES = ("test_openai_reference.py", "test_deepspeed.py", "test_e2e.py", "test_hub.py", "test_resume.py",
+                 "test_slurm.py", "test_slurm_two_nodes.py", "test_quickstart.py", "test_gpu_bundle.py",
+                 "test_throughput.py")  # fmt: skip
 SHARED_WORKER = {"test_slurm_two_nodes.py": "test_slurm.py"}  # both start Slurm's daemons on this machine
 
 
@@ -37,6 +56,32 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group(SHARED_WORKER.get(item.path.name, item.path.name)))
     rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order is kept
+
+
+class LoopbackRecord:
+    """What this process and the scripts it started tried (the guard's log) since the test began, or `reset`."""
+
+    def __init__(self):
+        self.log = Path(os.environ[loopback.LOG_VARIABLE])
+        self.reset()
+
+    def reset(self) -> None:
+        self.start = self.log.stat().st_size
+
+    def tried(self) -> list[str]:
+        with open(self.log) as file:
+            file.seek(self.start)
+            return file.read().splitlines()
+
+
+@pytest.fixture(autouse=True)
+def guard_the_loopback():
+    """Fail a test that tried to reach any address but 127.0.0.1, here or in a script it ran, even if the code that
+    tried swallowed the guard's error (as an offline fallback would)."""
+    record = LoopbackRecord()
+    yield record
+    if tried := record.tried():
+        pytest.fail("the test left 127.0.0.1 (tests/loopback/sitecustomize.py): " + "; ".join(dict.fromkeys(tried)))
 
 
 def tracked_files() -> list[Path]:
@@ -122,9 +167,13 @@ def script_command(script: str, flags, nproc: int = 1) -> list[str]:
 
 
 def script_environment(nproc: int = 1, env=None) -> dict:
-    """CPU, offline, and one thread per process when several share the cores."""
-    return {**os.environ, "ACCELERATE_USE_CPU": "true", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
-            "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"), **(env or {})}  # fmt: skip
+    """CPU, offline, one thread per process when several share the cores, and the loopback guard; a variable that
+    `env` sets to None is left out."""
+    python_path = os.pathsep.join(filter(None, [str(LOOPBACK_DIR), os.environ.get("PYTHONPATH")]))
+    environment = {**os.environ, "ACCELERATE_USE_CPU": "true", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
+                   "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
+                   "PYTHONPATH": python_path, **(env or {})}  # fmt: skip
+    return {key: value for key, value in environment.items() if value is not None}
 
 
 def run_script(script: str, *flags: str, nproc: int = 1, timeout: int = 600, env=None) -> subprocess.CompletedProcess:

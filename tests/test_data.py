@@ -125,8 +125,9 @@ def test_a_hub_dataset_in_book_order_gives_batches_from_as_many_books_as_a_full_
 
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
-    """`datasets.load_dataset` of a Hub id reads a local directory laid out as that repo (and revision) on the Hub:
-    bookcorpus/bookcorpus's main branch ships a loading script, its refs/convert/parquet branch the Parquet files."""
+    """`datasets.load_dataset_builder` of a Hub id reads a local directory laid out as that repo (and revision) on
+    the Hub: bookcorpus/bookcorpus's main branch ships a loading script, its refs/convert/parquet branch the Parquet
+    files (tests/test_hub.py reads the same layouts over HTTP)."""
     books = tmp_path / "main" / "bookcorpus"  # datasets looks for the script named after the repo
     books.mkdir(parents=True)
     (books / "bookcorpus.py").write_text("import datasets  # a loading script, refused by datasets >= 4\n")
@@ -142,13 +143,17 @@ def hub(tmp_path, monkeypatch):
                                      "    path: 3.0.0/train-*\n---\n")  # fmt: skip
     layout = {("bookcorpus/bookcorpus", None): books, ("bookcorpus/bookcorpus", "refs/convert/parquet"):
               tmp_path / "bookcorpus-parquet", ("abisee/cnn_dailymail", None): cnndm}  # fmt: skip
-    real, calls = datasets.load_dataset, []
+    real, calls = datasets.load_dataset_builder, []
 
-    def load_dataset(path, *args, revision=None, **kwargs):
+    def load_dataset_builder(path, *args, revision=None, **kwargs):
         calls.append((path, args, revision, kwargs.get("data_dir")))
         return real(str(layout[path, revision]), *args, **kwargs)
 
-    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    def ships_loading_script(name):  # what the Hub answers: is there NAME.py on main
+        return (layout[name, None] / f"{name.split('/')[-1]}.py").is_file()
+
+    monkeypatch.setattr(datasets, "load_dataset_builder", load_dataset_builder)
+    monkeypatch.setattr(rlhf_data, "ships_loading_script", ships_loading_script)
     monkeypatch.setattr(rlhf_data, "check_source", lambda value, flag: None)  # the Hub is "reachable"
     return calls, rows
 
@@ -158,7 +163,7 @@ def test_a_hub_dataset_with_a_loading_script_is_read_from_its_parquet_conversion
     task = books_task()  # the default: bookcorpus/bookcorpus, passages of 8 rows
     assert task.query_dataset == "bookcorpus/bookcorpus"
     texts = rlhf_data.QueryTexts.of_task(task)
-    assert [call[2] for call in calls] == [None, "refs/convert/parquet"]  # main refused, then the conversion
+    assert [call[2:] for call in calls] == [("refs/convert/parquet", None)]  # a script on main: the conversion
     assert len(texts) == 75 and texts[74] == " ".join(rows[592:])  # 600 rows, 8 to a passage
     epochs = [list(texts.epoch(0, seed=1, rank=rank, world_size=3)) for rank in range(3)]
     assert sorted(sum(epochs, [])) == sorted(texts[i] for i in range(75))  # each text once, in one process's part

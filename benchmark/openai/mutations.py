@@ -263,22 +263,119 @@ MUTATIONS = [
       "each process takes every world_size-th label of a step (OpenAI's split) instead of a block",
       equivalent="the same labels make up the step and DDP averages their gradients: only the order of the sums "
       "changes (OpenAI splits strided, this project in blocks)"),
+    # what matters only with several processes, or only from update 2 on
+    M("kl_controller_fed_local_kl", "several processes", (POLICY,),
+      (('        kl_ctl.update(row["objective/kl"], ppo.batch_size)',
+        '        kl_ctl.update(-(rollout["ref_logprobs"] - rollout["logprobs"]).sum(1).mean().item(), ppo.batch_size)'),),
+      "the controller fed this process's KL instead of the mean over all processes"),
+    M("kl_controller_local_batch", "several processes", (POLICY,),
+      (('        kl_ctl.update(row["objective/kl"], ppo.batch_size)',
+        '        kl_ctl.update(row["objective/kl"], args.local_batch_size)'),),
+      "the controller's move scaled by this process's episodes, not the update's"),
+    M("lr_schedule_counts_local_updates", "several processes", (POLICY,),
+      (("        lr = linear_lr(ppo.lr, update - 1, args.num_updates)",
+        "        lr = linear_lr(ppo.lr, update - 1, args.num_updates * accelerator.num_processes)"),),
+      "the PPO lr annealed over updates counted per process (as if each process ran the whole schedule)"),
+    M("lr_not_annealed", "learning rate annealing", (POLICY,),
+      (("        lr = linear_lr(ppo.lr, update - 1, args.num_updates)", "        lr = linear_lr(ppo.lr, 0, args.num_updates)"),),
+      "the PPO lr kept at its first update's value (the same as OpenAI's at update 1)"),
+    M("reward_lr_schedule_counts_local_steps", "several processes", (REWARD,),
+      (("        lr = linear_lr(args.lr, step - 1, args.num_updates)",
+        "        lr = linear_lr(args.lr, step - 1, args.num_updates * accelerator.num_processes)"),),
+      "the reward model's lr annealed over steps counted per process"),
+    M("gradients_not_averaged", "several processes", (POLICY,),
+      (("                    with accelerator.accumulate(policy):", "                    with accelerator.no_sync(policy):"),),
+      "PPO's gradients never all-reduced: each process steps on its own rows"),
+    M("normalization_local_stats", "several processes", (REWARD,),
+      (('        sums = accelerator.reduce(torch.stack([scores.mean(), scores.square().mean()]), "mean")',
+        "        sums = torch.stack([scores.mean(), scores.square().mean()])"),),
+      "the reward normalization's mean and std from this process's samples only"),
+    M("metrics_from_process_0", "several processes", ("run_utils.py",),
+      (("    mean_values = gathered[:, : len(means)].mean(0).tolist()",
+        "    mean_values = gathered[0, : len(means)].tolist()"),),
+      "every metric (and the KL the controller reads) from process 0 instead of the mean over processes"),
+    M("labels_same_block_everywhere", "several processes", (REWARD,),
+      (("        local_ids = global_ids[accelerator.process_index * args.local_batch_size :][: args.local_batch_size]",
+        "        local_ids = global_ids[: args.local_batch_size]"),),
+      "every process trains on the step's first block of labels"),
+    M("held_out_sums_local", "several processes", (REWARD,),
+      (('    loss_sum, accuracy_sum, count = accelerator.reduce(totals, "sum").tolist()',
+        "    loss_sum, accuracy_sum, count = totals.tolist()"),),
+      "the held-out loss and accuracy of this process's labels only"),
+    M("whitening_over_all_shares", "per-minibatch reward and advantage whitening", (POLICY,),
+      (("                advantages, returns = compute_advantages(rewards[share_rows], values[share_rows], ppo)",
+        "                advantages, returns = compute_advantages(rewards[share_rows.flatten()][None], "
+        "values[share_rows.flatten()][None], ppo)"),),
+      "one process with --ppo.whitening-ranks 2 whitens its minibatch whole, not per share (as 2 processes do)"),
+    M("whitening_ranks_per_process", "several processes", (POLICY,),
+      (("    args.local_whitening_ranks = ppo.whitening_ranks // processes",
+        "    args.local_whitening_ranks = ppo.whitening_ranks"),),
+      "each process splits its rows into all --ppo.whitening-ranks shares"),
+    # the arguments at the calls the replay replaces (benchmark/openai/replay.py holds them against OpenAI's)
+    M("rollout_sampled_at_temperature_1", "replaced calls", (POLICY,),
+      (("            responses = generate_responses(unwrapped.lm, contexts, pad_id, task.response_length, task.temperature,",
+        "            responses = generate_responses(unwrapped.lm, contexts, pad_id, task.response_length, 1.0,"),),
+      "the rollout sampled at temperature 1 (the log-probs still at the task's)"),
+    M("rollout_one_token_longer", "replaced calls", (POLICY,),
+      (("            responses = generate_responses(unwrapped.lm, contexts, pad_id, task.response_length, task.temperature,",
+        "            responses = generate_responses(unwrapped.lm, contexts, pad_id, task.response_length + 1, "
+        "task.temperature,"),),
+      "the rollout's responses one token longer than --task.response-length"),
+    M("rollout_from_queries", "replaced calls", (POLICY,),
+      (("            responses = generate_responses(unwrapped.lm, contexts, pad_id, task.response_length, task.temperature,",
+        "            responses = generate_responses(unwrapped.lm, queries, pad_id, task.response_length, task.temperature,"),),
+      "responses sampled after the bare queries, without the prefix and suffix"),
+    M("rollout_rows_global", "replaced calls", (POLICY,),
+      (("        queries = stream.next_batch(args.local_batch_size).to(device)",
+        "        queries = stream.next_batch(ppo.batch_size).to(device)"),),
+      "each process asks for the global batch's rows"),
+    M("stream_rank_0", "replaced calls", (POLICY,),
+      (("    stream = QueryStream(texts, tokenizer, task, pad_id, args.seed, accelerator.process_index,",
+        "    stream = QueryStream(texts, tokenizer, task, pad_id, args.seed, 0,"),),
+      "the policy's query stream built as process 0's on every process (all read the same texts)"),
+    M("stream_world_1", "replaced calls", (POLICY,),
+      (("                         accelerator.num_processes, exclude=", "                         1, exclude="),),
+      "the policy's query stream built for one process (each reads every text)"),
+    M("reward_stream_rank_0", "replaced calls", (REWARD,),
+      (("    query_stream = QueryStream(texts, tokenizer, task, pad_id, args.seed, accelerator.process_index,",
+        "    query_stream = QueryStream(texts, tokenizer, task, pad_id, args.seed, 0,"),),
+      "the reward script's query stream built as process 0's on every process"),
+    M("normalization_sampled_at_temperature_1", "replaced calls", (REWARD,),
+      (("            ref_lm, query_stream.format(query), reward_model.pad_id, args.task.response_length, args.task.temperature",
+        "            ref_lm, query_stream.format(query), reward_model.pad_id, args.task.response_length, 1.0"),),
+      "the normalizations' samples drawn at temperature 1"),
+    M("minibatches_doubled", "replaced calls", (POLICY,),
+      (("            for share_rows in minibatches(args.local_batch_size, args.local_whitening_ranks, ppo.nminibatches, device):",
+        "            for share_rows in minibatches(args.local_batch_size, args.local_whitening_ranks, 2 * ppo.nminibatches, "
+        "device):"),),
+      "twice --ppo.nminibatches minibatches an epoch"),
+    M("minibatches_one_share", "replaced calls", (POLICY,),
+      (("            for share_rows in minibatches(args.local_batch_size, args.local_whitening_ranks, ppo.nminibatches, device):",
+        "            for share_rows in minibatches(args.local_batch_size, 1, ppo.nminibatches, device):"),),
+      "the epochs shuffle a process's rows as one share, whatever --ppo.whitening-ranks"),
 ]  # fmt: skip
 
-COMPARISON = [  # tests/test_openai_reference.py, the ones that end soonest first
-    "test_queries_are_cut_at_the_start_and_end_text_as_openais_dataset_cuts_them",
-    "test_the_sampler_gives_openais_samples_openais_logprobs",
-    "test_reward_model_training_matches_openai_one_rank",
-    "test_ppo_update_1_matches_openai[1-1]",
-    "test_policy_scenarios_match_openai[details]",
-    "test_policy_scenarios_match_openai[plain]",
-    "test_reward_scenarios_match_openai[padded]",
-    "test_ppo_update_1_matches_openai[1-2]",
-    "test_teacher_forced_updates_match_openai",
-    "test_ppo_update_1_matches_openai[2-1]",
-    "test_ppo_update_1_matches_openai[2-2]",
-    "test_reward_model_training_matches_openai_two_ranks",
-    "test_free_running_curves_agree_with_openais_seeds",
+REFERENCE_TESTS = "tests/test_openai_reference.py::"
+PROCESSES_TESTS = "tests/test_processes.py::"
+COMPARISON = [  # the comparison with OpenAI's code and of N processes with 1, the ones that end soonest first
+    f"{REFERENCE_TESTS}test_queries_are_cut_at_the_start_and_end_text_as_openais_dataset_cuts_them",
+    f"{REFERENCE_TESTS}test_the_sampler_gives_openais_samples_openais_logprobs",
+    f"{REFERENCE_TESTS}test_reward_model_training_matches_openai_one_rank",
+    f"{REFERENCE_TESTS}test_ppo_update_1_matches_openai[1-1]",
+    f"{REFERENCE_TESTS}test_ppo_update_1_matches_openai[2-1]",
+    f"{REFERENCE_TESTS}test_policy_scenarios_match_openai[details]",
+    f"{REFERENCE_TESTS}test_policy_scenarios_match_openai[plain]",
+    f"{REFERENCE_TESTS}test_reward_scenarios_match_openai[padded]",
+    f"{REFERENCE_TESTS}test_ppo_update_1_matches_openai[1-2]",
+    f"{REFERENCE_TESTS}test_ppo_update_1_matches_openai[2-2]",
+    f"{REFERENCE_TESTS}test_policy_scenarios_match_openai[ranks_2]",
+    f"{REFERENCE_TESTS}test_reward_model_training_matches_openai_two_ranks",
+    f"{REFERENCE_TESTS}test_teacher_forced_updates_match_openai",
+    f"{PROCESSES_TESTS}test_the_reward_model_on_two_processes_is_the_reward_model_on_one[ddp]",
+    f"{PROCESSES_TESTS}test_ppo_on_two_processes_is_ppo_on_one[ddp]",
+    f"{PROCESSES_TESTS}test_the_reward_model_on_two_processes_is_the_reward_model_on_one[zero2]",
+    f"{PROCESSES_TESTS}test_ppo_on_two_processes_is_ppo_on_one[zero2]",
+    f"{REFERENCE_TESTS}test_free_running_curves_agree_with_openais_seeds",
 ]
 SECOND_TIER = ["tests/test_policy_units.py", "tests/test_reward_units.py", "tests/test_shared_helpers.py",
                "tests/test_mixed_precision.py", "tests/test_tasks.py", "tests/test_e2e.py"]  # fmt: skip
@@ -297,8 +394,10 @@ class Args:
     """only write the table, from OUT/results.jsonl"""
     second_tier: bool = True
     """give what the comparison misses to the unit and end-to-end tests (SECOND_TIER)"""
-    timeout: int = 900
+    timeout: int = 1800
     """seconds per test run"""
+    publish: bool = False
+    """copy the newest result of every mutation and its table to docs/mutations.jsonl and docs/mutations.md"""
 
 
 def apply(mutation: Mutation, root: Path) -> None:
@@ -329,16 +428,51 @@ def copy_repository(source: Path, destination: Path) -> Path:
 
 
 def first_failure(output: str) -> Optional[dict]:
-    """The first failing test of a pytest -x run and its message (what differed, where): the `E` lines of an assert,
-    or the text of a pytest.fail without a traceback."""
-    test = re.search(r"^(?:FAILED|ERROR) (\S+)", output, re.MULTILINE)
+    """The first failing test of a pytest -x run, its message (what differed, where: the `E` lines of an assert, or
+    the text of a pytest.fail without a traceback) and its report's whole text (`section`)."""
+    test = re.search(r"^(FAILED|ERROR) (\S+)", output, re.MULTILINE)
     if not test:
         return None
     section = re.search(r"^_{3,} (?:ERROR .*?)?\S+ _{3,}\n(.*?)(?=^_{3,} |^={3,})", output, re.MULTILINE | re.DOTALL)
-    lines = section.group(1).strip().splitlines() if section else []
+    text = section.group(1) if section else ""
+    lines = text.strip().splitlines()
     errors = [line[1:].strip() for line in lines if line.startswith("E ")]
     message = errors[0] if errors else next((line.strip() for line in lines if line.strip()), "")
-    return {"test": test.group(1).split("::")[-1], "assertion": message[:240]}
+    return {"test": test.group(2).split("::")[-1], "assertion": message[:240], "section": text,
+            "setup_error": test.group(1) == "ERROR"}  # fmt: skip
+
+
+BROKEN_EXCEPTION = re.compile(
+    r"^E\s+(?!AssertionError\b)(?:[\w.]+\.)?(\w+(?:Error|Exception|Interrupt)):? ?(.*)$", re.M
+)
+
+
+def outcome(found: Optional[dict]) -> Optional[dict]:
+    """What a failure means for a mutation: `caught`, by a comparison's assertion (a number, a draw, a query that
+    differs) or by one of the replay's checks of the calls it replaces (a `replay.py:` line); `broken`, when the
+    mutated code did not run to a comparison: a script that crashed (a traceback), stopped itself (an `error:` line of
+    run_utils.fail), an exception in the test's own code, a failing fixture, a timeout, a collection error. None: no
+    test failed."""
+    if found is None:
+        return None
+    section = found.pop("section", "")
+    setup_error = found.pop("setup_error", False)
+    replay = re.search(r"replay\.py: [^\n]*?(?=\\n|$)", section, re.M)
+    if replay:
+        return {**found, "kind": "caught", "by": "call site", "assertion": replay.group(0)[:240]}
+    crash = re.findall(r"^\s*(?:E\s+)?(\w+(?:Error|Exception)): (.*)$", section.split("Traceback (most recent call last)")[-1],
+                       re.M) if "Traceback (most recent call last)" in section else []  # fmt: skip
+    if crash:
+        name, text = crash[-1]
+        return {**found, "kind": "broken", "assertion": f"crashed: {name}: {text}"[:240]}
+    stopped = re.search(r"(?:^(?:E\s+)?|AssertionError: )(error: [^\n]*)", section, re.M)
+    if stopped:
+        return {**found, "kind": "broken", "assertion": f"the script stopped: {stopped.group(1)}"[:240]}
+    exception = BROKEN_EXCEPTION.search(section)
+    if exception or setup_error:
+        what = f"{exception.group(1)}: {exception.group(2)}" if exception else found["assertion"]
+        return {**found, "kind": "broken", "assertion": f"the test's code failed: {what}"[:240]}
+    return {**found, "kind": "caught", "by": "comparison"}
 
 
 def run_tests(root: Path, tests: list[str], timeout: int) -> tuple[Optional[dict], float]:
@@ -348,29 +482,41 @@ def run_tests(root: Path, tests: list[str], timeout: int) -> tuple[Optional[dict
     try:
         result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=timeout, env=environment)
     except subprocess.TimeoutExpired:
-        return {"test": "(timed out)", "assertion": f"no result in {timeout} s"}, time.time() - start
+        return {"test": "(timed out)", "assertion": f"no result in {timeout} s", "kind": "broken"}, time.time() - start
     output = result.stdout + result.stderr
     if result.returncode not in (0, 1):
-        return {
-            "test": "(pytest could not run)",
-            "assertion": output.strip().splitlines()[-1][:200],
-        }, time.time() - start
-    return first_failure(output), time.time() - start
+        last = output.strip().splitlines()[-1][:200] if output.strip() else f"exit {result.returncode}"
+        return {"test": "(pytest could not run)", "assertion": last, "kind": "broken"}, time.time() - start
+    return outcome(first_failure(output)), time.time() - start
 
 
 def study(mutation: Optional[Mutation], snapshot: Path, args: Args) -> dict:
     """One mutation (None: the unmutated copy) applied to a fresh copy of `snapshot`, then the comparison, then the
-    second tier."""
+    second tier if the comparison saw nothing."""
     with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
         root = copy_repository(snapshot, Path(tmp))
         if mutation is not None:
             apply(mutation, root)
-        comparison = [f"tests/test_openai_reference.py::{test}" for test in COMPARISON]
-        caught, seconds = run_tests(root, comparison, args.timeout)
-        row = {"name": mutation.name if mutation else "(none)", "caught_by_comparison": caught, "seconds": seconds}
-        if caught is None and mutation is not None and args.second_tier:
+        failure, seconds = run_tests(root, COMPARISON, args.timeout)
+        row = {"name": mutation.name if mutation else "(none)", "caught_by_comparison": failure, "seconds": seconds}
+        if failure is None and mutation is not None and args.second_tier:
             row["caught_by_suite"], row["suite_seconds"] = run_tests(root, SECOND_TIER, args.timeout)
     return row
+
+
+def verdict(row: dict, mutation: Mutation) -> tuple[str, str]:
+    """(what happened, where): caught by the comparison, by the replay's call-site checks or by the suite; broken (the
+    mutated code crashed or stopped before any comparison); the same computation (nothing failed, and the mutation
+    says why); or survived."""
+    failure = row["caught_by_comparison"] or row.get("caught_by_suite")
+    if failure is None:
+        return ("not caught", mutation.equivalent) if mutation.equivalent else ("**survived**", "")
+    where = f"`{failure['test']}`: {shorten(failure['assertion'])}"
+    if failure.get("kind", "caught") == "broken":
+        return "**broken**", where
+    if row["caught_by_comparison"] is None:
+        return "the suite", where
+    return ("a call-site check" if failure.get("by") == "call site" else "the comparison"), where
 
 
 def shorten(message: str, width: int = 110) -> str:
@@ -379,24 +525,26 @@ def shorten(message: str, width: int = 110) -> str:
     return message if len(message) <= width else message[:width].rsplit(" ", 1)[0] + " …"
 
 
-def write_table(out: Path) -> Path:
-    rows = {row["name"]: row for row in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+def cell(text: str) -> str:
+    """A markdown table cell: `|` escaped (KL(p || q) would split the row)."""
+    return text.replace("|", "\\|")
+
+
+def write_table(results: Path, table: Path) -> Path:
+    """The table of `results` (one JSON line per mutation) in MUTATIONS' order."""
+    rows = {row["name"]: row for row in map(json.loads, results.read_text().splitlines())}
     lines = ["| mutation | detail | the change | caught by | where |", "|---|---|---|---|---|"]
     for mutation in MUTATIONS:
-        row = rows.get(mutation.name)
-        if row is None:
-            continue
-        caught = row["caught_by_comparison"] or row.get("caught_by_suite")
-        where = "the comparison" if row["caught_by_comparison"] else ("the suite" if caught else "not caught")
-        detail = (
-            f"`{caught['test']}`: {shorten(caught['assertion'])}" if caught else mutation.equivalent or "**survived**"
-        )
-        lines.append(
-            f"| `{mutation.name}` | {mutation.area} | {mutation.what} | {where} | {detail.replace('|', '/')} |"
-        )
-    table = out / "mutations.md"
+        if mutation.name in rows:
+            caught, where = verdict(rows[mutation.name], mutation)
+            lines.append("| " + " | ".join(cell(text) for text in (f"`{mutation.name}`", mutation.area, mutation.what,
+                                                                   caught, where)) + " |")  # fmt: skip
     table.write_text("\n".join(lines) + "\n")
     return table
+
+
+PUBLISHED = REPO / "docs" / "mutations.jsonl", REPO / "docs" / "mutations.md"
+"""The last full run's results and their table (docs/side-by-side.md links it), written by --publish."""
 
 
 def main(args: Args) -> None:
@@ -427,11 +575,18 @@ def main(args: Args) -> None:
             row = study(mutation, snapshot, args)
             with open(out / "results.jsonl", "a") as file:
                 file.write(json.dumps(row) + "\n")
-            caught = row["caught_by_comparison"] or row.get("caught_by_suite")
-            print(f"mutations: {mutation.name}: {caught['test'] + ': ' + caught['assertion'] if caught else 'NOT CAUGHT'}"
-                  f" ({row['seconds']:.0f} s)", flush=True)  # fmt: skip
+            caught, where = verdict(row, mutation)
+            print(f"mutations: {mutation.name}: {caught}: {where} ({row['seconds']:.0f} s)", flush=True)
         shutil.rmtree(snapshot)
-    print(f"mutations: wrote {write_table(out)}")
+    print(f"mutations: wrote {write_table(out / 'results.jsonl', out / 'mutations.md')}")
+    if args.publish:
+        results = {row["name"]: row for row in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+        missing = names - set(results)
+        if missing:
+            raise SystemExit(f"error: --publish: no result for {' '.join(sorted(missing))}: run them (--only)")
+        # the newest result of each mutation, in MUTATIONS' order
+        PUBLISHED[0].write_text("".join(json.dumps(results[m.name]) + "\n" for m in MUTATIONS))
+        print(f"mutations: wrote {PUBLISHED[0]} and {write_table(*PUBLISHED)}")
 
 
 if __name__ == "__main__":

@@ -22,8 +22,18 @@ head included), the reference policy from --base-model: a warm start, as OpenAI'
 Every given draw must be taken, in order: a batch the script does not ask for, an epoch's order it does not use or
 responses it samples for other contexts than the batch's stop the run with an error (the comparison would otherwise
 run on the script's own draws and fail far from the cause).
+
+The call sites are checked too. A replaced call discards the script's own arguments, so a wrong one would change
+nothing the comparison sees; each is held against `call_sites`, what OpenAI's side passed at the same call
+(benchmark/openai/tf/run_openai.py's calls.json): the rows a batch asks for (per process, as a share of OpenAI's
+global batch), the temperature, response length and samples per context handed to the sampler, the rank and world
+size the query stream is built with (this process's), and the PPO epochs' batch, whitening shares (OpenAI's ranks)
+and minibatches. A mismatch stops the run with one line naming the argument. The replayed draws are those of the
+query stream `main` builds: every draw of it in the policy script (the rollout), the normalizations' in the reward
+script (`normalize_reward`); other draws (a corpus check, a sample table, labels a labeler makes) are the script's own.
 """
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -36,23 +46,38 @@ OPENAI_PAD_ID = 50259  # OpenAI's pad id for GPT-2's encoding (language/encoding
 
 
 class Replay:
-    """Batches given in the order the script asks for them; each process takes its share of every batch."""
+    """Batches given in the order the script asks for them; each process takes its share of every batch. `call_sites`:
+    OpenAI's arguments at the replaced calls (rows, response_length, temperature, samples_per_query, ranks and, for PPO,
+    nminibatches, noptepochs)."""
 
-    def __init__(self, batches: list[tuple[np.ndarray, Optional[np.ndarray]]], pad_id: int):
+    def __init__(self, batches: list[tuple[np.ndarray, Optional[np.ndarray]]], pad_id: int, call_sites: dict):
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         self.batches, self.pad_id, self.pending, self.taken = list(batches), pad_id, None, 0
+        self.call_sites = call_sites
 
     def share(self, rows: np.ndarray) -> np.ndarray:
         size = len(rows) // self.world
         return rows[self.rank * size : (self.rank + 1) * size]
 
-    def queries(self, n: int):
-        """The next batch's queries if it has n rows per process (left-padded, with this project's pad id), else
-        None: the script draws other batches (a check of the corpus, a sample table) itself."""
-        if not self.batches or len(self.batches[0][0]) != n * self.world:
-            return None
+    def check(self, what: str, ours, openai) -> None:
+        """One argument of a replaced call against OpenAI's: a mismatch stops the run, naming it."""
+        if ours != openai:
+            raise SystemExit(f"replay.py: {what} is {ours!r} here, {openai!r} on OpenAI's side")
+
+    def check_stream(self, rank: int, world_size: int) -> None:
+        """The query stream `main` builds reads this process's share: its rank and world size are the process's."""
+        self.check("the query stream's (rank, world size)", (rank, world_size), (self.rank, self.world))
+
+    def queries(self, n: int) -> torch.Tensor:
+        """The next given batch's queries, this process's share (left-padded, with this project's pad id): the script
+        must ask for exactly that share."""
+        if not self.batches:
+            raise SystemExit(f"replay.py: a batch asked for beyond the {self.taken} given ones")
         if self.pending is not None and self.pending[1] is not None:
             raise SystemExit(f"replay.py: the responses of given batch {self.taken} were never sampled for")
+        sites, rows = self.call_sites, len(self.batches[0][0])
+        what = f"rows asked for per process, of {self.world} (OpenAI: {sites['rows']} per rank of {sites['ranks']})"
+        self.check(what, n, rows // self.world)
         queries, responses = self.batches.pop(0)
         queries = torch.from_numpy(self.share(np.asarray(queries, dtype=np.int64)))
         queries = torch.where(queries == OPENAI_PAD_ID, self.pad_id, queries)
@@ -60,12 +85,17 @@ class Replay:
         self.pending, self.taken = (queries, responses), self.taken + 1
         return queries
 
-    def responses(self, contexts: torch.Tensor):
+    def responses(self, contexts: torch.Tensor, response_length: int, temperature: float, samples_per_context: int):
         """The given responses of the next rows of the batch the script just took (it samples in chunks), if
-        `contexts` are those rows' contexts; None when the batch has no responses (the script samples its own) or no
-        batch is pending (a draw of the script's own: label sampling, sample tables)."""
+        `contexts` are those rows' contexts and the sampler's arguments are OpenAI's; None when the batch has no
+        responses (the script samples its own) or no batch is pending (a draw of the script's own: label sampling,
+        sample tables)."""
         if self.pending is None:
             return None
+        sites = self.call_sites
+        self.check("the sampler's temperature", float(temperature), sites["temperature"])
+        self.check("the sampler's response length", response_length, sites["response_length"])
+        self.check("the sampler's samples per context", samples_per_context, sites["samples_per_query"])
         given_contexts, responses = self.pending
         if responses is None:
             self.pending = None
@@ -77,6 +107,18 @@ class Replay:
         self.pending = rest if len(rest[0]) else None
         return responses[rows].to(contexts.device)
 
+    def check_orders(self, orders: np.ndarray, batch_size: int, shares: int, nminibatches: int) -> None:
+        """The PPO epochs' arguments against the given orders, (U, OpenAI's ranks, epochs, rows per rank): the batch
+        this process shuffles is its share of OpenAI's, its whitening shares are OpenAI's ranks, its minibatches
+        OpenAI's."""
+        sites = self.call_sites
+        self.check("the PPO batch per process", batch_size, sites["rows"] * sites["ranks"] // self.world)
+        self.check("the whitening shares in all processes (--ppo.whitening-ranks)", shares * self.world, sites["ranks"])
+        self.check("the minibatches per epoch", nminibatches, sites["nminibatches"])
+        self.check(
+            "the given orders' shape (ranks, rows per rank)", orders.shape[1::2], (sites["ranks"], sites["rows"])
+        )
+
     def check_all_taken(self, orders_taken: int, orders: Optional[np.ndarray]) -> None:
         """Every given batch (and every epoch's order) was used: else the script ran on draws of its own."""
         if self.batches or (self.pending is not None and self.pending[1] is not None):
@@ -87,31 +129,55 @@ class Replay:
                              "were used")  # fmt: skip
 
 
+REPLAYED_IN = {"train_policy_accelerate": None, "train_reward_accelerate": "normalize_reward"}
+"""Where the draws of the stream `main` builds are the given ones: everywhere (the policy's rollout), or only inside
+this function of the script (the reward model's normalizations)."""
+
+
 def install(script, replay: Replay, orders=None) -> list:
     """Replace the script's draws by the replay's: its QueryStream class, sample_responses and (with `orders`, for
     the policy) minibatches. Returns the list that counts the orders taken."""
     original_stream, original_sample = script.QueryStream, script.sample_responses
+    window = REPLAYED_IN[script.__name__]
+    inside = [window is None]  # whether the script is where the given draws are taken
 
     class ReplayedQueryStream(original_stream):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.replayed = sys._getframe(1).f_code is script.main.__code__  # the stream `main` builds
+            if self.replayed:
+                replay.check_stream(self.rank, self.world_size)
+
         def next_batch(self, n: int) -> torch.Tensor:
-            given = replay.queries(n)
-            if given is None:
+            if not (self.replayed and inside[0]):
                 return super().next_batch(n)
+            given = replay.queries(n)
             replay.pending = (self.format(given), replay.pending[1])  # what sample_responses will be handed
             return script.right_padding_to_left_padding(given, replay.pad_id)
 
     def replayed_sample(lm, contexts, pad_id, response_length, temperature, samples_per_context=1):
-        given = replay.responses(contexts)
+        given = replay.responses(contexts, response_length, temperature, samples_per_context)
         if given is None:
             return original_sample(lm, contexts, pad_id, response_length, temperature, samples_per_context)
-        assert given.shape == (len(contexts), response_length) and samples_per_context == 1, given.shape
         return given
 
     script.QueryStream, script.sample_responses = ReplayedQueryStream, replayed_sample
+    if window is not None:
+        original_window = getattr(script, window)
+
+        def replayed_window(*args, **kwargs):
+            inside[0] = True
+            try:
+                return original_window(*args, **kwargs)
+            finally:
+                inside[0] = False
+
+        setattr(script, window, replayed_window)
     calls = []
     if orders is not None:
 
         def replayed_minibatches(batch_size: int, shares: int, nminibatches: int, device):
+            replay.check_orders(orders, batch_size, shares, nminibatches)
             update, epoch = divmod(len(calls), orders.shape[2])
             if update >= len(orders):
                 raise SystemExit(f"replay.py: an epoch beyond the {orders.shape[0] * orders.shape[2]} given orders")
@@ -151,6 +217,10 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["--policy-init"]:
         policy_init, argv = argv[1], argv[2:]
     script_name, data, flags = argv[0], np.load(argv[1]), argv[2:]
+    if "call_sites" not in data.files:
+        raise SystemExit(f"replay.py: {argv[1]} has no call_sites (OpenAI's arguments at the replaced calls): made by "
+                         "an older side_by_side.py, make it again")  # fmt: skip
+    call_sites = json.loads(str(data["call_sites"]))
     if script_name == "train_reward_accelerate.py":
         import train_reward_accelerate as script
 
@@ -169,7 +239,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"replay.py: {script_name}: train_reward_accelerate.py or train_policy_accelerate.py")
     args = run_utils.task_cli(script.task_defaults, flags)
     tokenizer = script.load_tokenizer(args.base_model)
-    replay = Replay(batches, tokenizer.pad_token_id)
+    replay = Replay(batches, tokenizer.pad_token_id, call_sites)
     orders_taken = install(script, replay, orders)
     script.main(args)
     replay.check_all_taken(len(orders_taken), orders)

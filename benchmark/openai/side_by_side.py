@@ -84,13 +84,24 @@ SCENARIOS = {
         policy=dict(whiten_rewards=False, adaptive_kl=False, kl_coef=0.05),
         updates=3,
     ),
+    "ranks_2": dict(
+        task=dict(query_prefix="The sun", query_suffix=" the bird", start_text=".", end_text="."),
+        policy=dict(nminibatches=2, noptepochs=2, gamma=0.9, lam=0.8, cliprange_value=0.05, lr=3e-4, kl_target=2.5),
+        warm_start=dict(scale=0.02, value_scale=0.2, eos_scale=0.9, seed=3),
+        updates=8,
+        ranks=2,
+    ),
 }
 """Policy scenarios beyond the base one, each compared from update 1 on OpenAI's own rollouts (teacher-forced), so
 that every path both scripts implement changes some compared number. `details`: the policy starts away from the
 reference (a warm start: KL and values are not 0 at update 1), queries cut at a start and an end text, so padded, with
 a prefix and a suffix around them, 4 minibatches and 2 epochs, gamma and lambda not 1 and 0.95, a value clip that
 binds, the KL controller inside its clip range and at its top. `plain`: no truncation and no penalty, no reward
-whitening, a fixed KL coefficient (OpenAI's summarization settings)."""
+whitening, a fixed KL coefficient (OpenAI's summarization settings). `ranks_2`: OpenAI on 2 ranks (mpiexec -n 2)
+against this project on 2 processes with --ppo.whitening-ranks 2, over 8 updates, each rank given its own draws of a
+2-rank free run: what matters only with several processes or only after update 1 (the controller fed the KL of all
+ranks, moving at its clip and then inside its range; the lr schedule, Adam's state; 2 minibatches per rank), from the
+`details` warm start and task; the weights after the last update are compared too."""
 SAMPLING_SCENARIO = "details"
 """The sampler is compared on this scenario's update 1: OpenAI's sampled tokens given to this project's sampler, whose
 log-probs of them (its KV-cached forwards at the sampling temperature, from the warm policy, on padded contexts with
@@ -120,6 +131,11 @@ class Args:
     """free-running seeds a side"""
     updates: int = 40
     """free-running updates per seed (of POLICY's batch)"""
+    curves_openai_only: bool = False
+    """with the curves stage: OpenAI's runs alone, made again and checked against the committed curves_openai.csv
+    (with --write-reference, their provenance)"""
+    new_labels: bool = False
+    """make the labels anew (this project's sampler, the VADER labeler) instead of taking the committed ones"""
     write_reference: bool = False
     """copy OpenAI's outputs of the stages run and the inputs they came from into
     benchmark/openai/side_by_side_reference/ (the CI test's data)"""
@@ -140,16 +156,33 @@ class OpenAI:
         if commit.returncode != 0 or commit.stdout.strip() != OPENAI_COMMIT:
             found = commit.stdout.strip() or "not a git checkout"
             raise SystemExit(f"error: --openai-src {src}: expected commit {OPENAI_COMMIT[:7]}, found {found[:12]}")
+        changes = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, check=True).stdout  # fmt: skip
+        if changes.strip():
+            raise SystemExit(f"error: --openai-src {src}: OpenAI's code must run unmodified, and these files differ "
+                             f"from commit {OPENAI_COMMIT[:7]}: {' '.join(line[3:] for line in changes.splitlines())}")  # fmt: skip
         self.python, self.mpi = build_openai_venv(Path(args.openai_venv), args.mpi), args.mpi
+        self.provenance = dict(openai_commit=OPENAI_COMMIT, openai_tree_clean=True, **self.versions())
         self.environment = {**os.environ, "OAI_SRC": str(src), "OAI_TOKENIZER": str(assets / "tokenizer"),
                             "OAI_QUERIES": str(assets / "corpus.txt"), "TF_ENABLE_ONEDNN_OPTS": "0",
                             "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONWARNINGS": "ignore"}  # fmt: skip
 
+    def versions(self) -> dict:
+        """What OpenAI's code ran on: the venv's Python, TensorFlow, NumPy and mpi4py, and the machine."""
+        code = ("import json, platform, sys, numpy, tensorflow, mpi4py; print(json.dumps(dict(python=platform."
+                "python_version(), tensorflow=tensorflow.__version__, numpy=numpy.__version__, mpi4py=mpi4py."
+                "__version__)))")  # fmt: skip
+        result = subprocess.run([self.python, "-c", code], capture_output=True, text=True, check=True)
+        return {**json.loads(result.stdout.strip().splitlines()[-1]), "cpu": cpu_model()}
+
     def run(self, command: str, config: dict, ranks: int = 1, query_seed: int = 0) -> float:
-        """run_openai.py COMMAND with `config` (written to config["out"]/config.json); returns the wall seconds."""
+        """run_openai.py COMMAND with `config` (written to config["out"]/config.json, with the command, the ranks and
+        the query seed: what the reference's provenance records); returns the wall seconds."""
         out = Path(config["out"])
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(config, indent=1))
+        run = dict(command=command, ranks=ranks, query_seed=query_seed, config=config, provenance=self.provenance)
+        (out / "run.json").write_text(json.dumps(run, indent=1))
         script = ["-m", "benchmark.openai.tf.run_openai", command, str(out / "config.json")]
         if ranks == 1:
             line = [self.python, *script]
@@ -171,6 +204,13 @@ class OpenAI:
         run_logged([self.python, *script, "read", str(prefix), str(arrays_path)], arrays_path.with_suffix(".log"),
                    self.environment)  # fmt: skip
         return dict(np.load(arrays_path))
+
+
+def cpu_model() -> str:
+    """The CPU's model name and core count (from /proc/cpuinfo where there is one)."""
+    names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+             if line.startswith("model name")] if Path("/proc/cpuinfo").exists() else []  # fmt: skip
+    return f"{names[0] if names else 'unknown'} ({os.cpu_count()} cores)"
 
 
 def build_openai_venv(venv: Path, mpi: bool) -> str:
@@ -315,12 +355,37 @@ def openai_policy_hparams(assets: Path, updates: int, seed: int = 1, nminibatche
             "run.seed": seed, "run.log_interval": 10**9}  # fmt: skip
 
 
+def reward_run_config(assets: Path, stage: Path, scenario: Optional[dict] = None, labels: str = "labels.json") -> dict:
+    """The config of OpenAI's train_reward in `stage` (the reward stage's and the reward scenarios')."""
+    hparams = {
+        **openai_reward_hparams(assets, scenario=scenario, labels=labels),
+        "run.save_dir": str(stage / "openai_run"),
+    }
+    return {"hparams": hparams, "out": str(stage / "openai")}
+
+
+def free_run_config(assets: Path, source: Path, updates: int, seed: int = 1, name: str = "") -> dict:
+    """The config of OpenAI's free train_policy run whose rollouts a stage gives both sides (`name`: a scenario's)."""
+    hparams = openai_policy_hparams(assets, updates, seed, scenario=SCENARIOS.get(name))
+    return {"hparams": hparams, "out": str(source), **warm_config(assets, name)}
+
+
+def forced_run_config(assets: Path, stage: Path, given: Path, updates: int, nminibatches: int, name: str = "") -> dict:
+    """The config of OpenAI's train_policy on given rollouts (teacher-forced) in `stage`; a scenario's run saves its
+    last checkpoint, whose weights are compared."""
+    hparams = openai_policy_hparams(assets, updates, nminibatches=nminibatches, scenario=SCENARIOS.get(name))
+    if name:
+        hparams["run.save_dir"] = str(stage / "openai_run")
+    return {"hparams": hparams, "out": str(stage / "openai"), "inject": str(given), **warm_config(assets, name)}
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # the stages
 
 
-def stage_assets(out: Path, openai: OpenAI) -> None:
-    """Tokenizer, corpus, base model and labels (this project's code), and OpenAI's initial model from them."""
+def stage_assets(out: Path, openai: OpenAI, new_labels: bool) -> None:
+    """Tokenizer, corpus, base model and labels (this project's code, or the committed labels), and OpenAI's initial
+    model from them."""
     import torch
     from transformers import AutoModel
 
@@ -335,13 +400,7 @@ def stage_assets(out: Path, openai: OpenAI) -> None:
     corpus = synthetic_sentences(CORPUS["lines"], CORPUS["seed"])
     (assets / "corpus.txt").write_text("\n".join(corpus) + "\n")
     write_base_model(assets)
-    # best-of-4 labels of the base model's own samples, picked by the VADER labeler (the reward script makes them)
-    labels_run = assets / "labels_run"
-    flags = [*our_task_flags(assets), "--labels.source", "sentiment", "--labels.num-train", str(LABELS["num_train"]),
-             "--labels.simulated-num-test", str(LABELS["num_test"]), "--seed", str(LABELS["seed"]),
-             "--no-normalize-before", "--no-normalize-after", "--output-dir", str(labels_run)]  # fmt: skip
-    run_ours("train_reward_accelerate.py", flags, labels_run)
-    shutil.copy(labels_run / "labels.json", assets / "labels.json")
+    make_labels(assets, "labels", None, new_labels)
     # OpenAI's initial model: the base model and the reward head this project's reward script starts from (seed 1)
     tokenizer = R.load_tokenizer(str(assets / "base"))
     torch.manual_seed(1)  # as train_reward_accelerate.py's main, before it builds the reward model
@@ -372,9 +431,9 @@ def stage_reward(out: Path, openai: OpenAI, mpi: bool) -> None:
     assets = out / "assets"
     for ranks in (1, 2) if mpi else (1,):
         stage = out / "reward" / f"ranks_{ranks}"
-        hparams = {**openai_reward_hparams(assets), "run.save_dir": str(stage / "openai_run")}
-        openai.run("reward", {"hparams": hparams, "out": str(stage / "openai")}, ranks)
-        np.savez(stage / "samples.npz", **merge_ranks(stage / "openai", "normalization_samples.npz", ranks))
+        openai.run("reward", reward_run_config(assets, stage), ranks)
+        samples = merge_ranks(stage / "openai", "normalization_samples.npz", ranks)
+        np.savez(stage / "samples.npz", **with_call_sites(samples, stage / "openai", ranks))
         flags = [*our_reward_flags(assets), "--output-dir", str(stage / "ours")]
         run_ours("train_reward_accelerate.py", flags, stage / "ours", ranks, replay=stage / "samples.npz")
         comparison = compare_reward(stage)
@@ -491,19 +550,110 @@ UPDATE1_CONFIGS = ((1, 1), (1, 2), (2, 1), (2, 2))
 permutations, and both on 2 ranks (mpiexec -n 2 against 2 processes with --ppo.whitening-ranks 2)."""
 
 
-def given_rollouts(source: Path, destination: Path) -> Path:
-    """The queries and responses OpenAI sampled in a free run, as the rollouts both sides are given."""
-    rollouts = np.load(source / "rollouts.npz")
-    np.savez(destination, queries=rollouts["queries"], responses=rollouts["responses"])
+def given_rollouts(source: Path, destination: Path, ranks: int = 1) -> Path:
+    """The queries and responses OpenAI sampled in a free run (on `ranks` ranks: rank r's rows are the global batch's
+    r-th block), as the rollouts both sides are given."""
+    names = ["rollouts.npz"] if ranks == 1 else [f"rollouts.rank{r}.npz" for r in range(ranks)]
+    parts = [np.load(source / name) for name in names]
+    np.savez(destination, **{key: np.concatenate([part[key] for part in parts], axis=1)
+                             for key in ("queries", "responses")})  # fmt: skip
     return destination
+
+
+def call_sites(openai_out: Path, ranks: int) -> dict:
+    """The arguments OpenAI's trainer passed where benchmark/openai/replay.py hands this project's scripts draws
+    instead (run_openai.py's calls.json, one per rank): the rows each rank drew, the response length, the temperature
+    and samples per query it sampled with, its number of ranks and, for PPO, its minibatches and epochs. The same at
+    every call and on every rank, or the harness stops."""
+    names = ["calls.json"] if ranks == 1 else [f"calls.rank{r}.json" for r in range(ranks)]
+    calls = [json.loads((openai_out / name).read_text()) for name in names]
+    sampling = {json.dumps(call, sort_keys=True) for rank in calls for call in rank["sampling"]}
+    if len(sampling) != 1 or {rank["ranks"] for rank in calls} != {ranks}:
+        raise SystemExit(f"error: {openai_out}: OpenAI's sampling calls differ between calls or ranks: {sampling}")
+    loops = {key: calls[0][key] for key in ("nminibatches", "noptepochs") if key in calls[0]}
+    return {**json.loads(sampling.pop()), "ranks": ranks, **loops}
+
+
+def with_call_sites(arrays: dict, openai_out: Path, ranks: int) -> dict:
+    """`arrays` (what a replay file holds) plus `call_sites`, OpenAI's arguments at the replayed calls (JSON)."""
+    return {**arrays, "call_sites": np.array(json.dumps(call_sites(openai_out, ranks), sort_keys=True))}
 
 
 def replay_with_orders(given: Path, openai_out: Path, ranks: int, destination: Path) -> Path:
-    """The given rollouts plus the minibatch orders OpenAI drew for them: (U, ranks, epochs, B / ranks)."""
+    """The given rollouts plus the minibatch orders OpenAI drew for them, (U, ranks, epochs, B / ranks), and OpenAI's
+    arguments at the calls they replace (call_sites)."""
     names = ["rollouts.npz"] if ranks == 1 else [f"rollouts.rank{r}.npz" for r in range(ranks)]
     orders = np.stack([np.load(openai_out / name)["orders"] for name in names], axis=1)
-    np.savez(destination, **np.load(given), orders=orders)
+    np.savez(destination, **with_call_sites({**np.load(given), "orders": orders}, openai_out, ranks))
     return destination
+
+
+SKETCH_SIZE = 8
+"""Rows and columns of the weights' sketches (weight_sketch): 64 numbers a matrix, 8 a vector."""
+
+
+def policy_arrays(policy_dir: Path, value_head: bool = True) -> dict[str, np.ndarray]:
+    """A policy directory of this project's (its model and value head; without one, a zero value head, as both sides
+    start) as OpenAI's arrays, named as under OpenAI's `policy/` scope (`model/h0/attn/c_attn/w`, `model/heads/value/w`)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from benchmark.openai.bridge import head_to_openai, lm_arrays
+
+    _, arrays = lm_arrays(policy_dir)
+    if value_head:
+        head = load_file(Path(policy_dir) / "value_head.safetensors")
+    else:
+        head = {"weight": torch.zeros(1, arrays["model/wte"].shape[1]), "bias": torch.zeros(1)}
+    arrays.update(head_to_openai(head["weight"], head["bias"], "model/heads/value"))
+    return arrays
+
+
+def weight_sketch(initial: dict[str, np.ndarray], final: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each weight's change from `initial` to `final`, Δ, in float64, sketched by fixed Gaussian matrices of variance
+    1/SKETCH_SIZE (seeded by the weight's name): A Δ B for a matrix (A: (k, rows), B: (cols, k)), G Δ for a vector, Δ
+    for a scalar. A sketch's norm is about ‖Δ‖, and two changes' sketches differ by about the norm of the changes'
+    difference (Johnson–Lindenstrauss): the weights after training compared in 64 numbers a matrix, small enough to
+    commit (GPT-2's embedding alone is 3.2M numbers), and no deviation of any entry can hide."""
+    import zlib
+
+    sketches = {}
+    for name in sorted(initial):
+        delta = np.asarray(final[name], np.float64) - np.asarray(initial[name], np.float64)
+        delta = delta.reshape(delta.shape[-2:]) if delta.ndim == 3 else delta  # a Conv1D weight (1, nx, nf)
+        rng = np.random.RandomState(zlib.crc32(name.encode()))
+        if delta.ndim == 2:
+            a = rng.standard_normal((SKETCH_SIZE, delta.shape[0])) / np.sqrt(SKETCH_SIZE)
+            b = rng.standard_normal((delta.shape[1], SKETCH_SIZE)) / np.sqrt(SKETCH_SIZE)
+            sketches[name] = a @ delta @ b
+        elif delta.ndim == 1:
+            sketches[name] = rng.standard_normal((SKETCH_SIZE, delta.shape[0])) / np.sqrt(SKETCH_SIZE) @ delta
+        else:
+            sketches[name] = delta.reshape(1)
+    return sketches
+
+
+def sketch_differences(ours: dict[str, np.ndarray], theirs: dict[str, np.ndarray]) -> dict[str, dict]:
+    """Per weight: the norm of OpenAI's change's sketch and how far ours is from it, relative to that norm."""
+    if sorted(ours) != sorted(theirs):
+        raise ValueError(f"different weights: {sorted(set(ours) ^ set(theirs))}")
+    rows = {}
+    for name in theirs:
+        norm, off = float(np.linalg.norm(theirs[name])), float(np.linalg.norm(ours[name] - theirs[name]))
+        rows[name] = dict(norm=norm, difference=off, relative=off / max(norm, 1e-12))
+    return rows
+
+
+def openai_final_policy(openai: "OpenAI", openai_run: Path) -> dict[str, np.ndarray]:
+    """The trained policy's weights in OpenAI's last checkpoint (train_policy.py saves one when it ends), named as
+    policy_arrays names them."""
+    checkpoints = sorted((openai_run / "policy" / "checkpoints").glob("model.ckpt-*.index"))
+    if not checkpoints:
+        raise SystemExit(f"error: {openai_run}: OpenAI's run saved no checkpoint")
+    prefix = checkpoints[-1].with_suffix("")
+    arrays = openai.read_checkpoint(prefix, openai_run / "final_policy.npz")
+    return {name.removeprefix("policy/"): value for name, value in arrays.items()
+            if name.startswith("policy/") and "/ppo_opt" not in name and "Adam" not in name}  # fmt: skip
 
 
 def run_policy_pair(openai: OpenAI, stage: Path, given: Path, updates: int, ranks: int, nminibatches: int,
@@ -511,9 +661,7 @@ def run_policy_pair(openai: OpenAI, stage: Path, given: Path, updates: int, rank
     """OpenAI's train_policy and this project's on the given rollouts (of the base scenario, or of scenario `name`);
     returns the comparison."""
     assets = stage.parents[1 if scenario is None else 2] / "assets"
-    hparams = openai_policy_hparams(assets, updates, nminibatches=nminibatches, scenario=scenario)
-    config = {"hparams": hparams, "out": str(stage / "openai"), "inject": str(given), **warm_config(assets, name)}
-    seconds = openai.run("policy", config, ranks)
+    seconds = openai.run("policy", forced_run_config(assets, stage, given, updates, nminibatches, name), ranks)
     replay = replay_with_orders(given, stage / "openai", ranks, stage / "replay.npz")
     flags = [
         *our_policy_flags(assets, updates, nminibatches=nminibatches, ranks=ranks, scenario=scenario),
@@ -523,6 +671,12 @@ def run_policy_pair(openai: OpenAI, stage: Path, given: Path, updates: int, rank
     warm = assets / f"warm_policy_{name}" if (scenario or {}).get("warm_start") else None
     our_seconds = run_ours("train_policy_accelerate.py", flags, stage / "ours", ranks, replay=replay, policy_init=warm)
     comparison = {**compare_policy(stage), "seconds": dict(openai=seconds, ours=our_seconds)}
+    if name:
+        initial = policy_arrays(warm or assets / "base", value_head=warm is not None)
+        theirs = weight_sketch(initial, openai_final_policy(openai, stage / "openai_run"))
+        np.savez(stage / "openai_weights.npz", **theirs)
+        ours = weight_sketch(initial, policy_arrays(stage / "ours" / "policy"))
+        comparison["weights"] = sketch_differences(ours, theirs)
     (stage / "comparison.json").write_text(json.dumps(comparison, indent=1))
     return comparison
 
@@ -548,7 +702,7 @@ def stage_update1(out: Path, openai: OpenAI, mpi: bool) -> None:
     """PPO update 1 on one rollout of OpenAI's, in each of UPDATE1_CONFIGS."""
     assets = out / "assets"
     source = out / "update1" / "openai_sampled"
-    openai.run("policy", {"hparams": openai_policy_hparams(assets, 1), "out": str(source)})
+    openai.run("policy", free_run_config(assets, source, 1))
     given = given_rollouts(source, out / "update1" / "given.npz")
     for ranks, nminibatches in UPDATE1_CONFIGS:
         if ranks > 1 and not mpi:
@@ -578,7 +732,7 @@ def stage_teacher(out: Path, openai: OpenAI, updates: int) -> None:
     """`updates` updates of OpenAI's free run, each update's rollout given to both sides again."""
     assets = out / "assets"
     source = out / "teacher" / "openai_sampled"
-    openai.run("policy", {"hparams": openai_policy_hparams(assets, updates), "out": str(source)})
+    openai.run("policy", free_run_config(assets, source, updates))
     given = given_rollouts(source, out / "teacher" / "given.npz")
     comparison = run_policy_pair(openai, out / "teacher" / "forced", given, updates, 1, 1)
     largest = ", ".join(f"{x:.1e}" for x in comparison["largest_per_update"])
@@ -610,9 +764,17 @@ def write_warm_policy(assets: Path, name: str, openai: Optional["OpenAI"] = None
     return ours
 
 
-def make_labels(assets: Path, name: str, scenario: Optional[dict] = None) -> None:
+def make_labels(assets: Path, name: str, scenario: Optional[dict], new_labels: bool) -> None:
     """assets/NAME.json: best-of-4 labels of the base model's own samples, picked by the VADER labeler (this project's
-    reward script makes them, on the scenario's task)."""
+    reward script makes them, on the scenario's task) or, unless `new_labels`, the same labels as committed with the
+    reference (label sampling on another CPU can draw other tokens: 4 of 2,304 records differed between an Intel Xeon
+    and an AMD EPYC, and the reference's free-running curves were made with the committed labels)."""
+    committed = REFERENCE / (
+        "labels.json.gz" if scenario is None else f"reward_{name.removeprefix('labels_')}/labels.json.gz"
+    )
+    if not new_labels and committed.exists():
+        (assets / f"{name}.json").write_bytes(gzip.decompress(committed.read_bytes()))
+        return
     labels, run = labels_of(scenario), assets / f"{name}_run"
     flags = [*our_task_flags(assets, scenario), "--labels.source", "sentiment", "--labels.num-train",
              str(labels["num_train"]), "--labels.simulated-num-test", str(labels["num_test"]), "--seed",
@@ -621,17 +783,16 @@ def make_labels(assets: Path, name: str, scenario: Optional[dict] = None) -> Non
     shutil.copy(run / "labels.json", assets / f"{name}.json")
 
 
-def stage_scenarios(out: Path, openai: OpenAI) -> None:
+def stage_scenarios(out: Path, openai: OpenAI, new_labels: bool) -> None:
     """The reward scenarios (OpenAI's train_reward and ours on the scenario's labels and normalization samples) and
     the policy scenarios (each `updates` updates of OpenAI's free run, every rollout given to both sides again)."""
     assets = out / "assets"
     for name, scenario in REWARD_SCENARIOS.items():
         stage, labels = out / "scenarios" / f"reward_{name}", f"labels_{name}.json"
-        make_labels(assets, f"labels_{name}", scenario)
-        hparams = {**openai_reward_hparams(assets, scenario=scenario, labels=labels),
-                   "run.save_dir": str(stage / "openai_run")}  # fmt: skip
-        openai.run("reward", {"hparams": hparams, "out": str(stage / "openai")})
-        np.savez(stage / "samples.npz", **merge_ranks(stage / "openai", "normalization_samples.npz", 1))
+        make_labels(assets, f"labels_{name}", scenario, new_labels)
+        openai.run("reward", reward_run_config(assets, stage, scenario, labels))
+        samples = merge_ranks(stage / "openai", "normalization_samples.npz", 1)
+        np.savez(stage / "samples.npz", **with_call_sites(samples, stage / "openai", 1))
         flags = [*our_reward_flags(assets, scenario=scenario, labels=labels), "--output-dir", str(stage / "ours")]
         run_ours("train_reward_accelerate.py", flags, stage / "ours", replay=stage / "samples.npz")
         comparison = compare_reward(stage)
@@ -639,15 +800,17 @@ def stage_scenarios(out: Path, openai: OpenAI) -> None:
         print(f"reward scenario {name}: largest relative difference {comparison['largest']:.2e}")
     for name, scenario in SCENARIOS.items():
         stage = out / "scenarios" / name
+        if scenario.get("ranks", 1) > 1 and not openai.mpi:
+            print(f"scenario {name}: skipped (--no-mpi)")
+            continue
         if scenario.get("warm_start"):
             write_warm_policy(assets, name, openai)
-        source = stage / "openai_sampled"
-        hparams = openai_policy_hparams(assets, scenario["updates"], scenario=scenario)
-        openai.run("policy", {"hparams": hparams, "out": str(source), **warm_config(assets, name)})
-        given = given_rollouts(source, stage / "given.npz")
+        source, ranks = stage / "openai_sampled", scenario.get("ranks", 1)
+        openai.run("policy", free_run_config(assets, source, scenario["updates"], name=name), ranks)
+        given = given_rollouts(source, stage / "given.npz", ranks)  # each rank's own draws, rank r's the r-th block
         nminibatches = policy_settings(scenario)["nminibatches"]
-        comparison = run_policy_pair(openai, stage / "forced", given, scenario["updates"], 1, nminibatches, scenario,
-                                     name)  # fmt: skip
+        comparison = run_policy_pair(openai, stage / "forced", given, scenario["updates"], ranks, nminibatches,
+                                     scenario, name)  # fmt: skip
         largest = ", ".join(f"{x:.1e}" for x in comparison["largest_per_update"])
         print(f"scenario {name}, largest relative difference per update: {largest}")
     compare_sampling(out)
@@ -727,25 +890,40 @@ def openai_query_order(assets: Path, seed: int, batches: int, scenario: Optional
     return np.array(list(itertools.islice(itertools.cycle(queries), batches * size))).reshape(batches, size, -1)
 
 
-def stage_curves(out: Path, openai: OpenAI, seeds: int, updates: int) -> None:
+def stage_curves(out: Path, openai: OpenAI, seeds: int, updates: int, openai_only: bool = False) -> None:
     """Free-running runs, `seeds` a side: OpenAI's samples with TensorFlow's RNG, ours with torch's; seed k of both
     sides reads the same queries in the same order (OpenAI's for that seed, given to ours by
     benchmark/openai/replay.py), so that a seed's two runs differ only by what each side draws itself: samples and
-    minibatch shuffles."""
+    minibatch shuffles. `openai_only`: OpenAI's side alone, checked against the committed curves_openai.csv (OpenAI's
+    runs made again, with their provenance, for the reference)."""
     assets = out / "assets"
+    for seed in range(1, seeds + 1) if openai_only else ():
+        stage = out / "curves" / f"seed_{seed}"
+        openai.run("policy", free_run_config(assets, stage / "openai", updates, seed), query_seed=seed)
+        print(f"curves: OpenAI's seed {seed} of {seeds}", flush=True)
+    if openai_only:
+        committed = (REFERENCE / "curves_openai.csv").read_text().splitlines()
+        made = [f"{seed},{row['update']}," + ",".join(f"{row[key]:.7g}" for key in CURVE_STATS)
+                for seed in range(1, seeds + 1) for row in read_jsonl(out / "curves" / f"seed_{seed}" / "openai" /
+                "policy_stats.jsonl")]  # fmt: skip
+        same = sum(a == b for a, b in zip(made, committed[1:], strict=False))
+        print(f"curves: OpenAI's {len(made)} rows made again, {same} equal to the committed curves_openai.csv's "
+              f"{len(committed) - 1} to 7 digits")  # fmt: skip
+        if same != len(made) or len(made) != len(committed) - 1:
+            raise SystemExit("error: OpenAI's free-running runs did not reproduce curves_openai.csv")
+        return
     for seed in range(1, seeds + 1):
         stage = out / "curves" / f"seed_{seed}"
         if (
             not (stage / "openai" / "policy_stats.jsonl").exists()
             or len(read_jsonl(stage / "openai" / "policy_stats.jsonl")) < updates
         ):
-            config = {"hparams": openai_policy_hparams(assets, updates, seed), "out": str(stage / "openai")}
-            openai.run("policy", config, query_seed=seed)  # each seed its own query order
+            openai.run("policy", free_run_config(assets, stage / "openai", updates, seed), query_seed=seed)  # its order
         if not (stage / "ours" / "policy").exists():
             queries = openai_query_order(assets, seed, updates)
             if not np.array_equal(np.load(stage / "openai" / "rollouts.npz")["queries"], queries):
                 raise SystemExit(f"curves: seed {seed}: OpenAI's queries are not openai_query_order's")
-            np.savez(stage / "queries.npz", queries=queries)
+            np.savez(stage / "queries.npz", **with_call_sites(dict(queries=queries), stage / "openai", 1))
             flags = [*our_policy_flags(assets, updates, seed), "--output-dir", str(stage / "ours")]
             run_ours("train_policy_accelerate.py", flags, stage / "ours", replay=stage / "queries.npz")
         print(f"curves: seed {seed} of {seeds}", flush=True)
@@ -985,32 +1163,44 @@ def write_reference(out: Path, stages) -> None:
             if labels:
                 (target / "labels.json.gz").write_bytes(gzip.compress((out / "assets" / labels).read_bytes(), mtime=0))
             shutil.copy(stage / "samples.npz", target / "samples.npz")
+            write_provenance(out, target / "provenance.json", [stage / "openai"])
             c = json.loads((stage / "comparison.json").read_text())
             steps = [dict(step=s["step"], loss=s["openai_loss"], accuracy=s["openai_accuracy"]) for s in c["steps"]]
             normalization = {r["quantity"]: r["openai"] for r in c["normalization"]}
             (target / "openai.json").write_text(json.dumps(dict(steps=steps, normalization=normalization), indent=1)
                                                 + "\n")  # fmt: skip
-    policies = [(f"update1_ranks_{r}_minibatches_{m}", out / "update1" / f"ranks_{r}_minibatches_{m}")
-                for r, m in UPDATE1_CONFIGS if "update1" in stages]  # fmt: skip
-    policies += [("teacher", out / "teacher" / "forced")] if "teacher" in stages else []
-    policies += [
-        (f"scenario_{name}", out / "scenarios" / name / "forced") for name in SCENARIOS if "scenarios" in stages
-    ]
+    policies = [(f"update1_ranks_{r}_minibatches_{m}", out / "update1" / f"ranks_{r}_minibatches_{m}",
+                 out / "update1" / "openai_sampled") for r, m in UPDATE1_CONFIGS if "update1" in stages]  # fmt: skip
+    policies += (
+        [("teacher", out / "teacher" / "forced", out / "teacher" / "openai_sampled")] if "teacher" in stages else []
+    )
+    policies += [(f"scenario_{name}", out / "scenarios" / name / "forced", out / "scenarios" / name / "openai_sampled")
+                 for name in SCENARIOS if "scenarios" in stages]  # fmt: skip
     if "scenarios" in stages and (out / "scenarios" / "sampling" / "comparison.json").exists():
         (REFERENCE / "sampling").mkdir(exist_ok=True)
         given = np.load(out / "scenarios" / "sampling" / "given.npz")
         np.savez_compressed(REFERENCE / "sampling" / "given.npz", queries=given["queries"].astype(np.int32),
                             responses=given["responses"].astype(np.int32), logprobs=given["logprobs"])  # fmt: skip
-    for name, stage in policies:
+        write_provenance(
+            out, REFERENCE / "sampling" / "provenance.json", [out / "scenarios" / SAMPLING_SCENARIO / "openai_sampled"]
+        )
+    for name, stage, sampled in policies:
         if (stage / "comparison.json").exists():
             target = REFERENCE / name
             target.mkdir(exist_ok=True)
             replay = np.load(stage / "replay.npz")
             np.savez_compressed(target / "replay.npz", queries=replay["queries"].astype(np.int32),
-                                responses=replay["responses"].astype(np.int32), orders=replay["orders"].astype(np.int16))  # fmt: skip
+                                responses=replay["responses"].astype(np.int32), orders=replay["orders"].astype(np.int16),
+                                call_sites=replay["call_sites"])  # fmt: skip
             c = json.loads((stage / "comparison.json").read_text())
             rows = [dict(update=u["update"], **{k: v["openai"] for k, v in u["stats"].items()}) for u in c["updates"]]
             (target / "openai.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+            if (stage / "openai_weights.npz").exists():
+                np.savez_compressed(target / "openai_weights.npz", **np.load(stage / "openai_weights.npz"))
+            write_provenance(out, target / "provenance.json", [sampled, stage / "openai"])
+    seeds = sorted((out / "curves").glob("seed_*"), key=lambda d: int(d.name.split("_")[1]))
+    if "curves" in stages and seeds and all((seed / "openai" / "run.json").exists() for seed in seeds):
+        write_provenance(out, REFERENCE / "curves_provenance.json", [seed / "openai" for seed in seeds])
     if "curves" in stages and (out / "curve_tests.json").exists():
         data = curves(out)
         for side in ("openai", "ours"):
@@ -1021,6 +1211,26 @@ def write_reference(out: Path, stages) -> None:
                     lines.append(f"{seed + 1},{update + 1},{values}")
             (REFERENCE / f"curves_{side}.csv").write_text("\n".join(lines) + "\n")
     print(f"side by side: wrote {REFERENCE}")
+
+
+def write_provenance(out: Path, target: Path, runs: list[Path]) -> None:
+    """`target` (a stage's provenance.json): what OpenAI's code ran on (commit, a clean tree, TensorFlow, NumPy, mpi4py, Python,
+    the CPU) and, for each of its runs that made the stage's data, the command, ranks, query seed and the config it
+    was given (paths under the side by side's output directory written as OUT/...)."""
+    records = [json.loads((run / "run.json").read_text()) for run in runs]
+    provenance = {json.dumps(record.pop("provenance"), sort_keys=True) for record in records}
+    if len(provenance) != 1:
+        raise SystemExit(f"error: {target}: its OpenAI runs ran on different setups: {sorted(provenance)}")
+
+    def relative(value):
+        if isinstance(value, dict):
+            return {key: relative(item) for key, item in value.items()}
+        if isinstance(value, str) and (value == str(out) or value.startswith(f"{out}/")):
+            return "OUT" + value[len(str(out)) :]
+        return value
+
+    document = dict(openai=json.loads(provenance.pop()), runs=[relative(record) for record in records])
+    target.write_text(json.dumps(document, indent=1) + "\n")
 
 
 def main(args: Args) -> None:
@@ -1038,7 +1248,7 @@ def main(args: Args) -> None:
         start = time.time()
         print(f"side by side: {stage} ...", flush=True)
         if stage == "assets":
-            stage_assets(out, openai)
+            stage_assets(out, openai, args.new_labels)
         elif stage == "reward":
             stage_reward(out, openai, args.mpi)
         elif stage == "update1":
@@ -1046,9 +1256,9 @@ def main(args: Args) -> None:
         elif stage == "teacher":
             stage_teacher(out, openai, args.teacher_updates)
         elif stage == "scenarios":
-            stage_scenarios(out, openai)
+            stage_scenarios(out, openai, args.new_labels)
         elif stage == "curves":
-            stage_curves(out, openai, args.seeds, args.updates)
+            stage_curves(out, openai, args.seeds, args.updates, args.curves_openai_only)
         else:
             write_report(out)
         print(f"side by side: {stage} done in {time.time() - start:.0f} s", flush=True)

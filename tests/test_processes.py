@@ -1,0 +1,197 @@
+"""N processes compute what 1 process computes: the README's promise that the same flags give the same optimization on
+1 or 8 GPUs, end to end for both scripts, on plain DDP and under DeepSpeed ZeRO-2.
+
+With the same draws (benchmark/openai/replay.py hands each run the draws OpenAI's 2 ranks made in the side by side,
+benchmark/openai/side_by_side_reference/), a run on 2 processes equals a run on 1 process with the same global batch
+(and, for PPO, `--ppo.whitening-ranks 2`, so that its one process whitens the same two shares): every metric of every
+step and update, and the weights after training, to float rounding. What only matters with several processes from
+update 2 on — a per-process count where a global one belongs, a learning-rate schedule that counts local steps, a
+metric or a KL-controller input reduced over one process, gradients not averaged — breaks that equality. The 2-process
+comparisons with OpenAI's 2 ranks (tests/test_openai_reference.py) check the same code against OpenAI's; these check
+that the processes together compute what one does, whatever OpenAI's code does.
+
+Tolerance: the same sums in another order (a mean over 32 rows on 1 process, a mean of two means over 16 on 2, DDP's
+or ZeRO's all-reduce), float32 rounding that Adam's normalized steps carry on: measured (docs/side-by-side.md) at most
+METRICS_RTOL / 10 of a metric's largest value over the run, WEIGHTS_RTOL / 10 of a weight's change."""
+
+import gzip
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from benchmark.openai import side_by_side as S
+from tests.conftest import REPO, read_jsonl, run_script, script_environment, tiny_gpt2_from_cache
+from tests.test_deepspeed import ZERO2_CONFIG, free_port
+from tests.test_resume import without_timings
+from tests.tiny_task import synthetic_sentences
+
+REFERENCE = REPO / "benchmark" / "openai" / "side_by_side_reference"
+METRICS_RTOL = 5e-4  # each metric, relative to its largest value over the run
+WEIGHTS_RTOL = 6e-4  # each weight's change from its initial value, relative to the change's largest entry
+REWARD_STEPS = 8  # of the reward model (labels of the reference, 32 a step)
+POLICY_UPDATES = 5  # of PPO, with the adaptive KL controller moving (the `ranks_2` scenario's first updates)
+UNIT_SCALE = {"normalized_mean": 1.0}
+"""Metrics measured against 1, not their own size: the rewards' mean after a normalization, 0 up to rounding, of rewards
+whose std is 1."""
+LAUNCHES = ("1 process", "2 processes", "2 processes, ZeRO-2")
+
+
+@pytest.fixture(scope="module")
+def assets(gpt2_tokenizer_dir, tmp_path_factory) -> Path:
+    """The side by side's tiny task: tokenizer, corpus, base model, the reference's labels."""
+    root = tmp_path_factory.mktemp("processes") / "assets"
+    shutil.copytree(gpt2_tokenizer_dir, root / "tokenizer")
+    corpus = synthetic_sentences(S.CORPUS["lines"], S.CORPUS["seed"])
+    (root / "corpus.txt").write_text("\n".join(corpus) + "\n")
+    tiny_gpt2_from_cache(root / "base", gpt2_tokenizer_dir, corpus, **S.BASE_MODEL)
+    (root / "labels.json").write_bytes(gzip.decompress((REFERENCE / "labels.json.gz").read_bytes()))
+    return root
+
+
+def launch(how: str, arguments: list[str], log: Path) -> None:
+    """benchmark/openai/replay.py with `arguments` on 1 process, on 2 (torchrun: DDP) or on 2 under the ZeRO-2 config
+    of benchmark/launch/large_models.sh (accelerate launch, tests/deepspeed_cpu.py's CPU fix in front)."""
+    if how == "2 processes, ZeRO-2":
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / ZERO2_CONFIG),
+                   "--num_processes", "2", "--main_process_port", str(free_port()), str(REPO / "tests" /
+                   "deepspeed_cpu.py"), "-m", "benchmark.openai.replay", *arguments]  # fmt: skip
+        environment = script_environment(2)
+        del environment["ACCELERATE_USE_CPU"]  # with it accelerate would silently run plain DDP, not DeepSpeed
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment, cwd=REPO)
+    else:
+        result = run_script("benchmark.openai.replay", *arguments, nproc=1 if how == "1 process" else 2)
+    log.write_text(result.stdout + result.stderr)
+    assert result.returncode == 0, f"{how}: {result.stderr[-3000:]}"
+
+
+def trained_by_zero2(output_dir: Path) -> bool:
+    """ZeRO's optimizer partitions, one per process, in the run's last checkpoint: the DeepSpeed engine trained."""
+    partitions = sorted(path.name for path in output_dir.rglob("*optim_states.pt"))
+    return partitions == [f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def reward_runs(assets) -> dict[str, Path]:
+    """The reward model trained for REWARD_STEPS steps on 1 process, on 2 and on 2 under ZeRO-2, each given the
+    normalizations' samples of OpenAI's 2 ranks."""
+    runs = {}
+    for how in LAUNCHES:
+        out = assets.parent / f"reward {how}"
+        flags = [*S.our_reward_flags(assets), "--labels.num-train", str(REWARD_STEPS * S.REWARD["batch_size"]),
+                 "--checkpoint-every", str(REWARD_STEPS), "--output-dir", str(out)]  # fmt: skip
+        launch(how, ["train_reward_accelerate.py", str(REFERENCE / "reward_ranks_2" / "samples.npz"), *flags],
+               out.with_suffix(".log"))  # fmt: skip
+        runs[how] = out
+    return runs
+
+
+@pytest.fixture(scope="module")
+def policy_runs(assets, reward_runs) -> dict[str, Path]:
+    """PPO for POLICY_UPDATES updates of the `ranks_2` scenario (warm start, 2 minibatches, the controller moving) on 1
+    process with --ppo.whitening-ranks 2, on 2 and on 2 under ZeRO-2, each given OpenAI's 2 ranks' draws."""
+    shutil.copytree(reward_runs["1 process"] / "reward_model", assets / "reward_model")
+    scenario = S.SCENARIOS["ranks_2"]
+    given = np.load(REFERENCE / "scenario_ranks_2" / "replay.npz")
+    replay = assets.parent / "replay.npz"  # its first updates
+    np.savez(replay, **{key: given[key][:POLICY_UPDATES] if key != "call_sites" else given[key] for key in given.files})
+    warm = S.write_warm_policy(assets, "ranks_2")
+    runs = {}
+    for how in LAUNCHES:
+        out = assets.parent / f"policy {how}"
+        flags = [*S.our_policy_flags(assets, POLICY_UPDATES, ranks=2, scenario=scenario), "--checkpoint-every",
+                 str(POLICY_UPDATES), "--output-dir", str(out)]  # fmt: skip
+        launch(how, ["--policy-init", str(warm), "train_policy_accelerate.py", str(replay), *flags],
+               out.with_suffix(".log"))  # fmt: skip
+        runs[how] = out
+    return runs
+
+
+def metric_differences(run: Path, reference: Path) -> list[tuple[float, str]]:
+    """Every metric of every row of `run` against `reference`'s, relative to the metric's largest value over the
+    reference run: (difference, where), largest first. The rows and their metrics must be the same."""
+    rows, reference_rows = (without_timings(read_jsonl(path / "metrics.jsonl")) for path in (run, reference))
+    assert [sorted(row) for row in rows] == [sorted(row) for row in reference_rows]
+    scale = {}
+    for row in reference_rows:
+        for key, value in row.items():
+            floor = UNIT_SCALE.get(key.rsplit("/", 1)[-1], 1e-12)
+            scale[key] = max(scale.get(key, floor), abs(value)) if isinstance(value, float) else None
+    differences = []
+    for row, reference_row in zip(rows, reference_rows, strict=True):
+        where = f"at {'update' if 'update' in row else 'step'} {row.get('update', row.get('step'))}"
+        for key, value in row.items():
+            if scale[key] is None:
+                assert value == reference_row[key], (key, where)
+            else:
+                differences.append((abs(value - reference_row[key]) / scale[key], f"{key} {where}"))
+    return sorted(differences, reverse=True)
+
+
+def weight_differences(run: Path, reference: Path, initial: dict[str, torch.Tensor], skip=()) -> list[tuple]:
+    """Each saved tensor's change from `initial` against `reference`'s, relative to the reference change's largest
+    entry: (difference, name), largest first."""
+    differences = []
+    for name, tensor in load_weights(run).items():
+        if name in skip:
+            continue
+        change, reference_change = tensor - initial[name], load_weights(reference)[name] - initial[name]
+        scale = reference_change.abs().max().clamp(min=1e-12)
+        differences.append((((change - reference_change).abs().max() / scale).item(), name))
+    return sorted(differences, reverse=True)
+
+
+def load_weights(directory: Path) -> dict[str, torch.Tensor]:
+    return {
+        name: tensor for file in sorted(directory.glob("*.safetensors")) for name, tensor in load_file(file).items()
+    }
+
+
+@pytest.mark.parametrize("how", LAUNCHES[1:], ids=["ddp", "zero2"])
+def test_the_reward_model_on_two_processes_is_the_reward_model_on_one(reward_runs, assets, how):
+    """Every step's loss and accuracy, both normalizations, and the trained weights: 2 processes (32 labels a step,
+    16 on each) as 1 process (all 32). The final layer norm's bias and the head's bias shift all 4 samples' rewards
+    alike, so best-of-4 gives them a gradient of exactly 0 and rounding noise moves them by whole Adam steps: they are
+    left out, and the normalization after training (which takes such a shift out) is compared instead."""
+    run, reference = reward_runs[how], reward_runs["1 process"]
+    assert how != "2 processes, ZeRO-2" or trained_by_zero2(run)
+    metrics = metric_differences(run, reference)
+    assert metrics[0][0] <= METRICS_RTOL, metrics[:3]
+    noise = {"ln_f.bias", "scalar_head.bias", "score.weight"}  # score.weight: the head with its gain and bias folded in
+    set_by_normalization = {"reward_gain", "reward_bias"}  # compared above, as normalization/*/mean and std
+    weights = weight_differences(run / "reward_model", reference / "reward_model", initial_reward_model(assets / "base"),
+                                 skip=noise | set_by_normalization)  # fmt: skip
+    assert weights[0][0] <= WEIGHTS_RTOL, weights[:3]
+
+
+def initial_reward_model(base: Path) -> dict[str, torch.Tensor]:
+    """The reward model's weights before training, named as its saved files name them: the base model and the head
+    train_reward_accelerate.py draws from the seed (1) before the processes part."""
+    from transformers import AutoModel
+
+    import train_reward_accelerate as R
+
+    torch.manual_seed(1)
+    model = R.RewardModel(R.load_pretrained(AutoModel, str(base)), R.load_tokenizer(str(base)).pad_token_id)
+    return {name.removeprefix("backbone."): tensor.detach() for name, tensor in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("how", LAUNCHES[1:], ids=["ddp", "zero2"])
+def test_ppo_on_two_processes_is_ppo_on_one(policy_runs, assets, how):
+    """Every metric of every update (the KL controller's coefficient from update 2 on fed the KL of both processes,
+    the lr schedule, Adam's state carried over) and the trained policy's weights and value head: 2 processes (16 rows
+    each, 8 a minibatch) as 1 process with --ppo.whitening-ranks 2 (32 rows in two whitening shares of 16)."""
+    run, reference = policy_runs[how], policy_runs["1 process"]
+    assert how != "2 processes, ZeRO-2" or trained_by_zero2(run)
+    coefficients = [row["objective/kl_coef"] for row in read_jsonl(reference / "metrics.jsonl") if "update" in row]
+    assert len(set(coefficients)) == len(coefficients) == POLICY_UPDATES  # the controller moved at every update
+    metrics = metric_differences(run, reference)
+    assert metrics[0][0] <= METRICS_RTOL, metrics[:3]
+    initial = load_weights(assets / "warm_policy_ranks_2")
+    weights = weight_differences(run / "policy", reference / "policy", initial)
+    assert weights[0][0] <= WEIGHTS_RTOL, weights[:3]
