@@ -83,7 +83,8 @@ class RunArgs:
     engine would hold the weights themselves in bf16)"""
     allow_tf32: bool = False
     """TF32 matmuls on Ampere and newer GPUs (~1e-3 relative error per matmul, several times fp32's speed: what an
-    fp32 run on a GPU wants); no effect on CPU"""
+    fp32 run on a GPU wants) for the trunk and every gradient; the LM, value and reward heads' forward products stay
+    fp32, as OpenAI's; no effect on CPU"""
     gradient_checkpointing: bool = False
     """recompute the trained model's activations in the backward pass instead of keeping them (memory knob for large
     models: one more forward per backward; same math to float rounding)"""
@@ -596,12 +597,18 @@ RESUME_MAY_CHANGE = {
 # ---------------------------------------------------------------------------------------------------------------------
 # the launch: processes and engine
 DEEPSPEED_BROKEN = {"0.19.8": "cannot start a model with 0-dim parameters (the reward model's gain and bias)"}
+ZERO3_REFUSED = ("DeepSpeed ZeRO-3 partitions every weight, and the scripts read weights whole (the LM head's in each "
+                 "sampling step, the unwrapped policy in the rollout): use ZeRO-2 (benchmark/launch/deepspeed_zero2.yaml)"
+                 " or no DeepSpeed")  # fmt: skip
+ZERO_BUCKET_VALUES = 50_000_000  # gradients per ZeRO-2 reduction (and weights per all-gather): 191 MiB in fp32, where
+# DeepSpeed's default 5e8 allocates 1.86 GiB whatever the model; NCCL reaches its bandwidth with far smaller messages
 
 
 def check_launch(accelerator, args) -> None:
     """The processes form the run they were launched as, and a DeepSpeed engine keeps OpenAI's math: fp32 weights, no
     gradient clipping (an absent or "auto" value is DeepSpeed's 1.0). DeepSpeed is also given the micro-batch size,
-    which accelerate otherwise reads from a prepared dataloader (the scripts prepare none)."""
+    which accelerate otherwise reads from a prepared dataloader (the scripts prepare none), and ZeRO-2 buckets of
+    ZERO_BUCKET_VALUES where its config sets none. ZeRO-3 is refused."""
     fix = ("add --multi_gpu to `accelerate launch` (implied only with several GPUs per machine) or a --config_file "
            "that sets distributed_type; without GPUs, ACCELERATE_USE_CPU=true")  # fmt: skip
     launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -625,6 +632,8 @@ def check_launch(accelerator, args) -> None:
         # installed, to test whether a model is its engine: 1.2 s of every start. This run has none: it answers so
         accelerate.utils.other.is_deepspeed_available = lambda: False
         return
+    if plugin.zero_stage == 3:
+        fail(ZERO3_REFUSED)
     import deepspeed
 
     if deepspeed.__version__ in DEEPSPEED_BROKEN:
@@ -639,6 +648,10 @@ def check_launch(accelerator, args) -> None:
         fail(f"the DeepSpeed config clips gradients at {clipping}; OpenAI clips none: set gradient_clipping to 0")
     config["gradient_clipping"] = 0.0
     config["train_micro_batch_size_per_gpu"] = args.micro_batch_size
+    zero = config.setdefault("zero_optimization", {})
+    for key in ("reduce_bucket_size", "allgather_bucket_size"):  # accelerate's "auto" needs a model with .config
+        if zero.get(key, "auto") == "auto":
+            zero[key] = ZERO_BUCKET_VALUES
 
 
 def checkpoint_problem(directory: Path) -> Optional[str]:
@@ -1137,14 +1150,16 @@ GPT2_SIZES = {"gpt2": (12, 768, 12), "gpt2-medium": (24, 1024, 16), "gpt2-large"
               "gpt2-xl": (48, 1600, 25)}  # fmt: skip
 """OpenAI's GPT-2 sizes (n_layer, n_embd, n_head): a --dry-run estimates them without their config file"""
 BEST_OF = 4  # the reward script's label records hold a query and 4 samples, read as one row
-LOGIT_COPIES = 4  # (rows, T, V) fp32 tensors live at a PPO micro-batch's peak: the scaled logits kept for the backward,
-# then the log-softmax's gradient, the gather's scattered gradient and their sum
+LOGIT_COPIES = 5  # (rows, T, V) fp32 tensors live at once in a PPO micro-batch's backward: the scaled logits kept for
+# it, the gather's scattered gradient (autograd runs the gather's backward first), and logsumexp's backward's
+# logits - logsumexp, its exp and their product with the incoming gradient
 ROLLOUT_LOGIT_COPIES = 3  # a rollout chunk's policy and reference logits, and a log-softmax temporary
-ZERO_REDUCE_BUCKET = 4 * 500_000_000  # bytes: DeepSpeed's default reduce_bucket_size (5e8 fp32), allocated whole
+ZERO_REDUCE_BUCKET = 4 * ZERO_BUCKET_VALUES  # bytes: ZeRO-2's fp32 reduce bucket (check_launch), allocated whole
 EFFICIENT_MICRO_BATCH = 16  # rows below which a GPU's matrix products run far from their peak: the flags that fit are
 # first sought with micro-batches of at least this many rows
-MEMORY_HEADROOM = 0.9  # of a GPU's memory the estimate may fill: the CUDA context and the allocator's free blocks (its
-# rollout and training phases fragment the cache differently) take the rest
+MEMORY_HEADROOM = 0.9  # of a GPU's memory the estimate may fill: what torch.cuda.max_memory_allocated does not count
+# takes the rest: the CUDA context (~0.5 GB), NCCL's buffers (several processes) and the caching allocator's free
+# blocks (its rollout and training phases allocate different shapes)
 
 
 @dataclass(frozen=True)
@@ -1190,7 +1205,7 @@ def peak_memory_parts(args, base: ModelShape, reward: Optional[ModelShape], proc
 
     - the trained model: fp32 weights, gradients and Adam's m and v (16 bytes per parameter); DDP keeps the
       gradients as views into its all-reduce buckets (ddp_options), no second copy; ZeRO-2 splits gradients and
-      Adam over the processes, and adds its fp32 copy of each process's partition and a 2 GB reduce bucket; bf16
+      Adam over the processes, and adds its fp32 copy of each process's partition and its reduce bucket; bf16
       autocast adds bf16 copies of the weights (its cache) and keeps everything else fp32;
     - frozen models (the policy's reference and reward models, the reward script's sampler): fp32 weights;
     - activations saved for the backward, per token and layer of a GPT-2 block with SDPA attention (no T x T
@@ -1284,10 +1299,14 @@ def reward_model_shape(args, base: ModelShape) -> Optional[ModelShape]:
 
 
 def launched_zero_stage() -> int:
-    """The ZeRO stage an `accelerate launch --config_file` with DeepSpeed gave this process (0: none)."""
+    """The ZeRO stage an `accelerate launch --config_file` with DeepSpeed gave this process (0: none); ZeRO-3 is
+    refused, as check_launch refuses it."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
         return 0
-    return int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
+    stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
+    if stage == 3:
+        fail(ZERO3_REFUSED)
+    return stage
 
 
 def gpu_memory_gb(args, device: Optional[torch.device] = None) -> Optional[float]:

@@ -25,6 +25,7 @@ samples.jsonl, TensorBoard events, policy/ (a Hugging Face causal LM directory w
 --task.gold-labeler, eval_samples.jsonl.
 """
 
+import contextlib
 import inspect
 import itertools
 import json
@@ -268,15 +269,33 @@ def padded_forward(backbone: nn.Module, tokens: torch.Tensor, pad_id: int) -> to
     return output.last_hidden_state
 
 
+@contextlib.contextmanager
+def fp32_products(device_type: str):
+    """Inside: matrix products in IEEE fp32, as OAI computed its heads: bf16 autocast off, and TF32 off also where
+    --allow-tf32 turned it on for the trunk (restored on leaving). The functions that use it are kept out of
+    torch.compile (torch.compiler.disable): a compiled kernel reads the TF32 flag when it runs, not where the code
+    set it."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.autocast(device_type, enabled=False):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+@torch.compiler.disable
 def vocabulary_logits(lm: nn.Module, hidden: torch.Tensor, pad_id: int) -> torch.Tensor:
-    """The LM head's logits, computed in fp32 also under bf16 autocast, the pad id's never a candidate: (..., V)."""
+    """The LM head's logits, computed in fp32 (not bf16, not TF32) also under bf16 autocast and --allow-tf32, the pad
+    id's never a candidate: (..., V)."""
     # OAI policy.py step_core cuts the logits to the vocabulary, so its pad id (past it) is never sampled and has no
     # probability; ours is inside the head when the tokenizer has a pad token of its own or the head is larger than
     # the tokenizer: its logit is masked then (finite, so that entropies over the masked softmax stay numbers)
     head = lm.get_output_embeddings()  # (V, d)
     rows = hidden.reshape(-1, hidden.shape[-1])  # (N, d)
-    # OAI computed every logit in fp32: a bf16 product rounds GPT-2's logits (tens of nats) by up to 0.25 each
-    with torch.autocast(hidden.device.type, enabled=False):
+    # OAI computed every logit in fp32: a bf16 product rounds GPT-2's logits (tens of nats) by up to 0.25 each, TF32
+    # rounds the head's inputs to 10 bits of mantissa
+    with fp32_products(hidden.device.type):
         logits = head_product(rows.to(head.weight.dtype), head.weight).view(*hidden.shape[:-1], -1).float()
         if head.bias is not None:
             logits = logits + head.bias
@@ -463,10 +482,11 @@ class RewardModel(nn.Module):
         hidden = padded_forward(self.backbone, query_responses, self.pad_id)[:, -1]  # (B, d_model)
         return self.normalized_reward(hidden)
 
+    @torch.compiler.disable
     def normalized_reward(self, hidden: torch.Tensor) -> torch.Tensor:
         """gain * head(h) + bias of last hidden states (..., d_model) -> (...), in the weights' fp32 also under bf16
-        autocast."""
-        with torch.autocast(hidden.device.type, enabled=False):  # as OAI's: a bf16 output would keep 3 digits
+        autocast and --allow-tf32."""
+        with fp32_products(hidden.device.type):  # as OAI's: a bf16 output would keep 3 digits
             return self.reward_gain * self.scalar_head(hidden.to(self.reward_gain.dtype)).squeeze(-1) + self.reward_bias
 
 
@@ -540,9 +560,10 @@ class PolicyAndValueWrapper(nn.Module):
         hidden = padded_forward(self.lm.base_model, query_responses, pad_id)[:, context_length - 1 : -1]  # (B, T, d)
         return response_logits(self.lm, hidden, temperature, pad_id), self.value_of(hidden)
 
+    @torch.compiler.disable
     def value_of(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The value head's output (..., d) -> (...), in the weights' fp32 also under bf16 autocast."""
-        with torch.autocast(hidden.device.type, enabled=False):  # as OAI's: a bf16 output would keep 3 digits
+        """The value head's output (..., d) -> (...), in the weights' fp32 also under bf16 autocast and --allow-tf32."""
+        with fp32_products(hidden.device.type):  # as OAI's: a bf16 output would keep 3 digits
             return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
 
 
@@ -680,6 +701,7 @@ def ppo_losses(new_logprobs, vpred, logprobs, values, advantages, returns, ppo: 
             "ppo/loss/value": vf_loss,
             "ppo/loss/total": loss,
             "ppo/policy/approxkl": 0.5 * (log_ratio**2).mean(),
+            "ppo/policy/ratio_max_deviation": (ratio - 1).abs().max(),
             "ppo/policy/clipfrac": (pg_losses2 > pg_losses1).float().mean(),  # OAI: where the clipped term wins
             "ppo/val/vpred": vpred.mean(),
             "ppo/val/error": ((vpred - returns) ** 2).mean(),
@@ -1051,9 +1073,10 @@ def record_update(run, update: int, stats: dict, rollout: dict, timer, args: Arg
                   policy: PolicyAndValueWrapper, tokenizer) -> dict:  # fmt: skip
     """The update's metrics row (OAI train_policy.py record_step_stats): the rollout's objective/* (the KL also by
     the k2 and k3 estimators, as metrics only), the PPO epochs' ppo/* averaged over every micro-batch (approxkl's
-    largest too), all averaged over the processes in one collective; the time and throughput. The run stops, saying
-    where, if a loss is not finite. Every --print-sample-output-freq updates (and the first and last) a table of
-    samples and a progress line; at the last update, the processes' parameter spread."""
+    largest too, and the first minibatch's largest |ratio - 1|), all averaged over the processes in one collective;
+    the time and throughput. The run stops, saying where, if a loss is not finite. Every --print-sample-output-freq
+    updates (and the first and last) a table of samples and a progress line; at the last update, the processes'
+    parameter spread."""
     accelerator, ppo = run.accelerator, args.ppo
     log_ratio = rollout["ref_logprobs"] - rollout["logprobs"]  # log(p_ref / p_policy) of each sampled token, (B, T)
     non_score_reward, scores = rollout["non_score_reward"].sum(1), rollout["scores"]
@@ -1066,13 +1089,17 @@ def record_update(run, update: int, stats: dict, rollout: dict, timer, args: Arg
         "objective/scores": scores.mean(),
         "objective/score_total": (scores + non_score_reward).mean(),
     }
-    ppo_stats = {key: torch.stack(items).mean() for key, items in stats.items()}
+    deviations = stats["ppo/policy/ratio_max_deviation"]  # max |ratio - 1| of each micro-batch, in the order they ran
+    ppo_stats = {key: torch.stack(items).mean() for key, items in stats.items() if items is not deviations}
     # approxkl of each minibatch (the mean of its micro-batches, then of the processes), for the largest of them: a
     # micro-batch is a process's share of a minibatch, so its own largest would change with the number of processes
     minibatches = torch.stack(stats["ppo/policy/approxkl"]).view(-1, ppo.gradient_accumulation_steps).mean(1)
     each = {f"minibatch/{i}/approxkl": value for i, value in enumerate(minibatches)}
+    # the first minibatch's micro-batches run before any optimizer step: every ratio there is exactly 1 when the PPO
+    # forward computes what the rollout computed (rollout_logprobs); a new device or --compile shows here if it does not
+    first = {"ppo/policy/first_ratio_max_deviation": torch.stack(deviations[: ppo.gradient_accumulation_steps]).max()}
     row = run_utils.reduce_metrics(
-        accelerator, {**rollout_stats, **ppo_stats, **each}, {"sync/kl_coef_spread": kl_coef}
+        accelerator, {**rollout_stats, **ppo_stats, **each}, {"sync/kl_coef_spread": kl_coef}, first
     )
     row["ppo/policy/approxkl_max"] = max(row.pop(key) for key in each)
     loop = {"PPO epoch": ppo.noptepochs, "minibatch": ppo.nminibatches, "micro-batch": ppo.gradient_accumulation_steps}

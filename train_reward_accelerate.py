@@ -21,6 +21,7 @@ Outputs in --output-dir: args.json, metrics.jsonl, TensorBoard events, reward_mo
 train_policy_accelerate.py via --rewards.trained-model) and labels.json when the labels are simulated.
 """
 
+import contextlib
 import inspect
 import itertools
 import json
@@ -214,15 +215,33 @@ def padded_forward(backbone: nn.Module, tokens: torch.Tensor, pad_id: int) -> to
     return output.last_hidden_state
 
 
+@contextlib.contextmanager
+def fp32_products(device_type: str):
+    """Inside: matrix products in IEEE fp32, as OAI computed its heads: bf16 autocast off, and TF32 off also where
+    --allow-tf32 turned it on for the trunk (restored on leaving). The functions that use it are kept out of
+    torch.compile (torch.compiler.disable): a compiled kernel reads the TF32 flag when it runs, not where the code
+    set it."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.autocast(device_type, enabled=False):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+@torch.compiler.disable
 def vocabulary_logits(lm: nn.Module, hidden: torch.Tensor, pad_id: int) -> torch.Tensor:
-    """The LM head's logits, computed in fp32 also under bf16 autocast, the pad id's never a candidate: (..., V)."""
+    """The LM head's logits, computed in fp32 (not bf16, not TF32) also under bf16 autocast and --allow-tf32, the pad
+    id's never a candidate: (..., V)."""
     # OAI policy.py step_core cuts the logits to the vocabulary, so its pad id (past it) is never sampled and has no
     # probability; ours is inside the head when the tokenizer has a pad token of its own or the head is larger than
     # the tokenizer: its logit is masked then (finite, so that entropies over the masked softmax stay numbers)
     head = lm.get_output_embeddings()  # (V, d)
     rows = hidden.reshape(-1, hidden.shape[-1])  # (N, d)
-    # OAI computed every logit in fp32: a bf16 product rounds GPT-2's logits (tens of nats) by up to 0.25 each
-    with torch.autocast(hidden.device.type, enabled=False):
+    # OAI computed every logit in fp32: a bf16 product rounds GPT-2's logits (tens of nats) by up to 0.25 each, TF32
+    # rounds the head's inputs to 10 bits of mantissa
+    with fp32_products(hidden.device.type):
         logits = head_product(rows.to(head.weight.dtype), head.weight).view(*hidden.shape[:-1], -1).float()
         if head.bias is not None:
             logits = logits + head.bias
@@ -409,10 +428,11 @@ class RewardModel(nn.Module):
         hidden = padded_forward(self.backbone, query_responses, self.pad_id)[:, -1]  # (B, d_model)
         return self.normalized_reward(hidden)
 
+    @torch.compiler.disable
     def normalized_reward(self, hidden: torch.Tensor) -> torch.Tensor:
         """gain * head(h) + bias of last hidden states (..., d_model) -> (...), in the weights' fp32 also under bf16
-        autocast."""
-        with torch.autocast(hidden.device.type, enabled=False):  # as OAI's: a bf16 output would keep 3 digits
+        autocast and --allow-tf32."""
+        with fp32_products(hidden.device.type):  # as OAI's: a bf16 output would keep 3 digits
             return self.reward_gain * self.scalar_head(hidden.to(self.reward_gain.dtype)).squeeze(-1) + self.reward_bias
 
 

@@ -46,7 +46,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 SLOWEST_FILES = ("test_openai_reference.py", "test_deepspeed.py", "test_e2e.py", "test_hub.py", "test_resume.py",
                  "test_slurm.py", "test_slurm_two_nodes.py", "test_quickstart.py", "test_gpu_bundle.py",
-                 "test_throughput.py")  # fmt: skip
+                 "test_throughput.py", "test_processes.py")  # fmt: skip
 SHARED_WORKER = {"test_slurm_two_nodes.py": "test_slurm.py"}  # both start Slurm's daemons on this machine
 
 

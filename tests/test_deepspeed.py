@@ -200,10 +200,12 @@ def test_zero2_reward_model_equals_ddp_and_keeps_its_normalization(zero2_reward,
 PPO_ACCUMULATE = ["--ppo.gradient-accumulation-steps", "2"]
 
 
-def tiny_policy(argv: list[str], assets, reward_model: Path, output_dir: Path, *extra: str) -> list[str]:
+def tiny_policy(
+    argv: list[str], assets, reward_model: Path, output_dir: Path, *extra: str, nproc: int = 2
+) -> list[str]:
     values = {"--base-model": str(assets["model"]), "--rewards.trained-model": str(reward_model),
               "--output-dir": str(output_dir)}  # fmt: skip
-    return tiny(argv, values, policy_flags(assets, reward_model, output_dir, *extra))
+    return tiny(argv, values, policy_flags(assets, reward_model, output_dir, *extra), nproc)
 
 
 @pytest.fixture(scope="module")
@@ -269,8 +271,10 @@ def test_zero2_with_torch_adam_runs_large_models_sh_end_to_end(tiny_assets, ddp_
 
 
 def test_bf16_under_deepspeed_is_refused_with_one_line(tiny_assets, ddp_reward, tmp_path):
+    """large_models.sh's policy command with --mixed-precision bf16, launched under ZeRO-2 (one process: the refusal
+    comes before any collective)."""
     output_dir = tmp_path / "run"
-    command = tiny_policy(large_model_commands()[1], tiny_assets, ddp_reward / "reward_model", output_dir)
+    command = tiny_policy(large_model_commands()[1], tiny_assets, ddp_reward / "reward_model", output_dir, nproc=1)
     result = subprocess.run([*command, "--mixed-precision", "bf16"], capture_output=True, text=True, timeout=300,
                             env=zero2_environment(), cwd=REPO)  # fmt: skip
     assert result.returncode != 0
@@ -315,6 +319,41 @@ def test_check_launch_refuses_a_deepspeed_that_cannot_run_the_reward_model(monke
     monkeypatch.setattr(deepspeed, "__version__", "0.19.8")
     with pytest.raises(SystemExit, match="deepspeed 0.19.8 cannot start a model with 0-dim parameters"):
         run_utils.check_launch(deepspeed_accelerator(), SimpleNamespace(micro_batch_size=4))
+
+
+def test_check_launch_sizes_zero2s_buckets_unless_the_config_does():
+    """DeepSpeed's default buckets are 5e8 values (a 1.86 GB fp32 gradient bucket at every backward, whatever the
+    model) and accelerate resolves "auto" only for a model with a .config: the scripts set 5e7, which the memory
+    estimate counts, and keep a number a config sets."""
+    accelerator = deepspeed_accelerator()
+    run_utils.check_launch(accelerator, SimpleNamespace(micro_batch_size=4))
+    zero = accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]
+    assert zero["stage"] == 2 and zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == 50_000_000
+    assert run_utils.ZERO_REDUCE_BUCKET == 4 * zero["reduce_bucket_size"]  # bytes in the estimate: fp32
+    own = {"stage": 2, "reduce_bucket_size": 10**8, "allgather_bucket_size": "auto"}
+    accelerator = deepspeed_accelerator(zero_optimization=own)
+    run_utils.check_launch(accelerator, SimpleNamespace(micro_batch_size=4))
+    assert own == {"stage": 2, "reduce_bucket_size": 10**8, "allgather_bucket_size": 50_000_000}
+
+
+def test_zero3_is_refused_with_one_line_before_any_work(tiny_assets, tmp_path):
+    """ZeRO-3 partitions every weight, and the scripts read weights whole (the LM head's in each sampling step): the
+    launch check refuses it, and so does a --dry-run under a ZeRO-3 launch (accelerate launch's environment)."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    zero3 = SimpleNamespace(num_processes=1, mixed_precision="no",
+                            state=SimpleNamespace(deepspeed_plugin=DeepSpeedPlugin(zero_stage=3)))  # fmt: skip
+    with pytest.raises(SystemExit, match="DeepSpeed ZeRO-3 partitions every weight"):
+        run_utils.check_launch(zero3, SimpleNamespace(micro_batch_size=4))
+    flags = ["--base-model", str(tiny_assets["model"]), "--label-dataset", str(tiny_assets["small_labels"]),
+             "--task.query-dataset", str(tiny_assets["corpus"]), "--output-dir", str(tmp_path / "run"), "--labels.num-train", "64",
+             "--task.passage-rows", "1", "--dry-run"]  # fmt: skip
+    result = run_script(
+        REWARD, *flags, env={"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}
+    )
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1 and "ZeRO-3" in errors[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
 
 def test_the_pinned_deepspeed_is_the_tested_one():

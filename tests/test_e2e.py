@@ -2,7 +2,11 @@
 fully offline. The reward model learned here is reused by the policy tests."""
 
 import json
+import math
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train_policy_accelerate as P
 import train_reward_accelerate as R
-from tests.conftest import read_jsonl, run_script
+from tests.conftest import REPO, read_jsonl, run_script, script_environment
 
 REWARD = "train_reward_accelerate.py"
 POLICY = "train_policy_accelerate.py"
@@ -181,6 +185,7 @@ def test_ppo_raises_the_reward_model_score(policy_run):
     last = sum(row["objective/scores"] for row in rows[-fifth:]) / fifth
     assert last > first + 0.5, (first, last)  # measured: about -0.1 -> 0.8
     assert rows[0]["objective/kl"] == 0.0  # the policy starts as the reference policy
+    assert all(row["ppo/policy/first_ratio_max_deviation"] == 0.0 for row in rows)  # rollout = first PPO forward
     assert rows[0]["ppo/lr"] == pytest.approx(1e-3) and rows[-1]["ppo/lr"] == pytest.approx(1e-3 / 20)
     assert rows[0]["objective/kl_coef"] == 0.15 and rows[1]["objective/kl_coef"] != 0.15  # adaptive
     for row in rows:  # the logged parts add up: a swap of kl and non_score_reward (one shape) would not
@@ -261,38 +266,76 @@ def test_policy_two_processes_keep_kl_coef_in_step(tiny_assets, reward_run, tmp_
     assert result.stdout.count("PPO: 4/4 (100%)") == 1  # progress from the main process only
 
 
-def test_compile_changes_the_first_update_only_by_float_rounding(tiny_assets, reward_run, tmp_path):
+def first_update(assets, reward_run, output_dir: Path, *extra: str) -> dict:
+    """The metrics of update 1 of a short run (batch 16, one update) with `extra` flags."""
+    result = run_script(
+        POLICY, *short_policy_flags(assets, reward_run, output_dir, "--ppo.total-episodes", "16", *extra)
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_jsonl(output_dir / "metrics.jsonl")[0]
+
+
+@pytest.fixture(scope="module")
+def plain_first_update(tiny_assets, reward_run, tmp_path_factory) -> dict:
+    """The plain run's update 1, which the compiled runs and the memory knobs are compared with."""
+    return first_update(tiny_assets, reward_run, tmp_path_factory.mktemp("plain") / "run")
+
+
+def test_compile_changes_the_first_update_only_by_float_rounding(tiny_assets, reward_run, plain_first_update,
+                                                                 tmp_path):  # fmt: skip
     """--compile (compiled PPO forward) against a plain run of the same seed, at update 1 (later updates sample from
-    weights that differ in the last bits, so they may diverge): the same rollout, PPO losses equal to 1e-4."""
-    first_updates = {}
-    for name, extra in (("plain", []), ("compile", ["--compile"])):
-        flags = short_policy_flags(tiny_assets, reward_run, tmp_path / name, "--ppo.total-episodes", "16", *extra)
-        result = run_script(POLICY, *flags)
-        assert result.returncode == 0, result.stderr[-3000:]
-        first_updates[name] = next(
-            row for row in read_jsonl(tmp_path / name / "metrics.jsonl") if "objective/kl" in row
-        )
-    plain, compiled = first_updates["plain"], first_updates["compile"]
+    weights that differ in the last bits, so they may diverge): the same rollout, PPO losses equal to 1e-4, first
+    ratios 1 to 1e-4. And check.sh's `bf16+tf32+compile` (torch.compile through accelerate's bf16 autocast wrapper,
+    the heads kept out of the compiled graph): its first update within bf16's tolerance of fp32's."""
+    plain = plain_first_update
+    compiled = first_update(tiny_assets, reward_run, tmp_path / "compile", "--compile")
+    bf16 = first_update(tiny_assets, reward_run, tmp_path / "bf16", "--compile", "--mixed-precision", "bf16",
+                        "--allow-tf32")  # fmt: skip
     assert plain["objective/kl"] == 0.0  # policy log-probs and reference log-probs from the same forward code
     assert {k: v for k, v in compiled.items() if k.startswith("objective/")} == {
         k: v for k, v in plain.items() if k.startswith("objective/")
     }  # the rollout is not compiled
     for key in ("ppo/loss/policy", "ppo/loss/value", "ppo/policy/approxkl", "ppo/val/vpred"):
         assert compiled[key] == pytest.approx(plain[key], abs=1e-4), key
+    assert plain["ppo/policy/first_ratio_max_deviation"] == 0.0
+    assert compiled["ppo/policy/first_ratio_max_deviation"] < 1e-4  # compiled kernels round differently
+    assert bf16["objective/kl"] == 0.0 and bf16["ppo/policy/first_ratio_max_deviation"] < 0.05
+    for key in ("objective/scores", "ppo/loss/policy", "ppo/loss/value", "ppo/policy/approxkl"):
+        assert bf16[key] == pytest.approx(plain[key], abs=0.05), key
 
 
-def test_memory_knobs_change_no_metric(tiny_assets, reward_run, tmp_path):
+def test_the_first_ratio_metric_shows_a_rollout_that_differs_from_the_ppo_forward(tiny_assets, reward_run, tmp_path):
+    """ppo/policy/first_ratio_max_deviation: max |ratio - 1| over the micro-batches of the first minibatch, which run
+    before any optimizer step (0 in every plain run: test_ppo_raises_the_reward_model_score). The script run with the
+    rollout's log-probs 1e-3 nats higher (rollout_logprobs wrapped): 1 - exp(-1e-3) there, not the larger deviations
+    of the second minibatch, which runs after a step."""
+    code = ("import run_utils, train_policy_accelerate as P\n"
+            "rollout_logprobs = P.rollout_logprobs\n"
+            "def shifted(*args):\n"
+            "    logprobs, ref_logprobs, values = rollout_logprobs(*args)\n"
+            "    return logprobs + 1e-3, ref_logprobs, values\n"
+            "P.rollout_logprobs = shifted\n"
+            "P.main(run_utils.task_cli(P.task_defaults))\n")  # fmt: skip
+    flags = policy_flags(tiny_assets, reward_run / "reward_model", tmp_path / "run", "--ppo.total-episodes", "32",
+                         "--ppo.nminibatches", "2", "--ppo.gradient-accumulation-steps", "2")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code, *flags], capture_output=True, text=True, timeout=600,
+                            env=script_environment(), cwd=REPO)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert row["ppo/policy/first_ratio_max_deviation"] == pytest.approx(1 - math.exp(-1e-3), rel=1e-2)
+    assert row["ppo/policy/approxkl_max"] > 10 * 0.5 * 1e-3**2  # the second minibatch moved further
+
+
+def test_memory_knobs_change_no_metric(tiny_assets, reward_run, plain_first_update, tmp_path):
     """Gradient accumulation: ppo/returns/* and ppo/val/* are OAI's per-rank-minibatch moments, computed on whole
     minibatch shares, so 1 or 4 micro-batches give the same values (an average of micro-batch variances read 3-24%
     low), and so do the losses. --gradient-checkpointing recomputes activations: the same numbers too."""
-    first = {}
-    for name, extra in (("plain", []), ("accumulation", ["--ppo.gradient-accumulation-steps", "4"]),
+    first = {"plain": plain_first_update}
+    for name, extra in (("accumulation", ["--ppo.gradient-accumulation-steps", "4"]),
                         ("checkpointing", ["--gradient-checkpointing"])):  # fmt: skip
-        flags = short_policy_flags(tiny_assets, reward_run, tmp_path / name, "--ppo.total-episodes", "16", *extra)
-        result = run_script(POLICY, *flags)
-        assert result.returncode == 0, result.stderr[-3000:]
-        first[name] = read_jsonl(tmp_path / name / "metrics.jsonl")[0]
+        first[name] = first_update(tiny_assets, reward_run, tmp_path / name, *extra)
     assert first["plain"]["ppo/returns/var"] > 0.01
+    assert all(row["ppo/policy/first_ratio_max_deviation"] == 0.0 for row in first.values())  # 4 micro-batches too
     for key in ("ppo/returns/mean", "ppo/returns/var", "ppo/val/mean", "ppo/val/var", "ppo/val/var_explained",
                 "ppo/loss/value", "ppo/loss/policy", "ppo/policy/approxkl"):  # fmt: skip
         for name in ("accumulation", "checkpointing"):

@@ -86,13 +86,15 @@ def test_policy_parts_on_a_hand_checked_example():
         "reward_model": 4 * (900 + 8 + 3),  # backbone, scalar head, gain, bias
         # 4 rows x 7 tokens x 3 layers x (9 d + 2 inner) fp32 values = 4 * 7 * 3 * 136 * 4
         "activations": 4 * 7 * 3 * 544,
-        "logits": 4 * 4 * (4 * 3 * 50),  # 4 copies, fp32, (4 rows, 3 positions, 50)
+        # 5 copies, fp32, (4 rows, 3 positions, 50): the saved logits, the gather's gradient, logsumexp's backward's
+        # logits - logsumexp, its exp and their product
+        "logits": 5 * 4 * (4 * 3 * 50),
         # the larger of sampling: 4 rows x (KV cache 2 x 3 layers x 7 tokens x 8 x 4 B + 2 fp32 step logits) = 6976,
         # and scoring: 4 rows x (3 copies of 3 x 50 fp32 logits + 7 tokens x (8 + 2 x 32) fp32) = 4 * (1800 + 2016)
         "rollout": 4 * (1800 + 2016),
     }
     static = 4 * trained * 2 + 8 * trained + 4000 + 3644
-    assert run_utils.peak_memory_total(parts) == static + 4 * 7 * 3 * 544 + 4 * 4 * (4 * 3 * 50)  # training > rollout
+    assert run_utils.peak_memory_total(parts) == static + 4 * 7 * 3 * 544 + 5 * 4 * (4 * 3 * 50)  # training > rollout
 
 
 def test_bf16_checkpointing_zero2_and_direct_rl_parts_on_the_example():
@@ -102,7 +104,8 @@ def test_bf16_checkpointing_zero2_and_direct_rl_parts_on_the_example():
     checkpointed = run_utils.peak_memory_parts(small_policy(gradient_checkpointing=True), SMALL, SMALL, 2, 0)
     assert checkpointed["activations"] == 4 * 7 * (3 * 4 * 8 + 544)  # each layer's fp32 input, one layer recomputed
     zero2 = run_utils.peak_memory_parts(small_policy(), SMALL, SMALL, 2, zero_stage=2)
-    assert zero2["gradients"] == 4 * 1009 / 2 + 2_000_000_000 and zero2["optimizer"] == 12 * 1009 / 2
+    # the reduce bucket: 5e7 fp32 values (check_launch sets DeepSpeed's reduce_bucket_size; its own default is 5e8)
+    assert zero2["gradients"] == 4 * 1009 / 2 + 200_000_000 and zero2["optimizer"] == 12 * 1009 / 2
     assert zero2["weights"] == 4 * 1009
     direct = run_utils.peak_memory_parts(small_policy(), SMALL, None, 2, 0)  # --rewards.function: no reward model
     assert "reward_model" not in direct
@@ -170,7 +173,8 @@ def test_warn_if_memory_short_on_a_gpu_only(capsys):
 
 
 def test_dry_run_of_both_scripts_prints_the_estimate_and_the_flags(tiny_assets, tmp_path):
-    """--dry-run on a tiny local model: the estimate in the JSON line; with --gpu-memory-gb below it, one line on
+    """--dry-run on a tiny local model: the estimate in the JSON line (the same as run_utils computes for these flags
+    here, which on a CPU, without --gpu-memory-gb, warns of nothing); with --gpu-memory-gb below it, one line on
     stderr naming the flags; without a config here (a Hub model not in the cache) the estimate is listed as not
     checked."""
     (tmp_path / "constant_reward.py").write_text("def score(queries, responses):\n    return [0.0] * len(queries)\n")
@@ -178,15 +182,15 @@ def test_dry_run_of_both_scripts_prints_the_estimate_and_the_flags(tiny_assets, 
               "--task.passage-rows", "1", "--dry-run", "--output-dir", str(tmp_path / "run")]  # fmt: skip
     policy = [*common, "--rewards.function", "constant_reward:score", "--ppo.batch-size", "64"]
     reward = [*common, "--label-dataset", str(tiny_assets["small_labels"]), "--labels.num-train", "64"]
-    for script, flags, accumulation in (("train_policy_accelerate.py", policy, "--ppo.gradient-accumulation-steps"),
-                                        ("train_reward_accelerate.py", reward, "--gradient-accumulation-steps")):  # fmt: skip
-        result = run_script(script, *flags, env={"PYTHONPATH": str(tmp_path)})
-        assert result.returncode == 0 and "warning: the estimated" not in result.stderr, result.stderr[-3000:]
-        memory = json.loads(result.stdout.strip().splitlines()[-1])["estimated_peak_memory_gb"]
-        assert memory["total"] > memory["weights"] > 0 and "activations" in memory and "reward_model" not in memory
-        tight = run_script(
-            script, *flags, "--gpu-memory-gb", str(memory["total"] / 2), env={"PYTHONPATH": str(tmp_path)}
-        )
+    for module, flags, accumulation in ((train_policy_accelerate, policy, "--ppo.gradient-accumulation-steps"),
+                                        (train_reward_accelerate, reward, "--gradient-accumulation-steps")):  # fmt: skip
+        args = run_utils.task_cli(module.task_defaults, flags)
+        expected, no_warning = run_utils.memory_check(args, 1, 0, run_utils.gpu_memory_gb(args))
+        assert no_warning is None and expected["total"] > expected["weights"] > 0 and "activations" in expected
+        tight = run_script(f"{module.__name__}.py", *flags, "--gpu-memory-gb", str(expected["total"] / 2),
+                           env={"PYTHONPATH": str(tmp_path)})  # fmt: skip
+        assert json.loads(tight.stdout.strip().splitlines()[-1])["estimated_peak_memory_gb"] == expected
+        assert "reward_model" not in expected
         (warning,) = [line for line in tight.stderr.splitlines() if line.startswith("warning: the estimated")]
         assert tight.returncode == 0 and accumulation in warning, tight.stderr
     result = run_script("train_reward_accelerate.py", *reward, "--base-model", "no-such-org/no-such-model")

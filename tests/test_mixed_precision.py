@@ -160,3 +160,35 @@ def test_both_scripts_run_end_to_end_with_bf16(tiny_assets, tmp_path):
     updates = [row for row in read_jsonl(policy_dir / "metrics.jsonl") if "objective/kl" in row]
     assert len(updates) == 2 and updates[0]["objective/kl"] == 0.0  # policy and reference agree exactly at the start
     assert 0 <= updates[0]["ppo/policy/approxkl"] < 0.05
+
+
+def test_the_heads_compute_in_fp32_under_allow_tf32_also_when_compiled(monkeypatch):
+    """--allow-tf32 turns TF32 on for the whole process (run_utils.setup_device), the trunk's products and gradients:
+    the LM, value and reward heads turn it off around their forward products and restore it after (the flag is read
+    inside them; on a CPU it changes no number). torch.compile does not trace them: a compiled kernel reads the flag
+    when it runs, where it is on, so the heads run eagerly also inside the compiled PPO forward."""
+    seen = []
+
+    def record(name):
+        seen.append((name, torch.backends.cuda.matmul.allow_tf32, torch.compiler.is_compiling()))
+
+    head_product = P.head_product
+    monkeypatch.setattr(P, "head_product", lambda rows, weight: record("lm") or head_product(rows, weight))
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    policy = tiny_policy()
+    policy.value_head.register_forward_pre_hook(lambda module, inputs: record("value"))
+    torch.manual_seed(0)
+    backbone = GPT2LMHeadModel(GPT2Config(vocab_size=1000, n_layer=2, n_embd=64, n_head=4)).transformer
+    reward_model = R.RewardModel(backbone, PAD).eval()
+    reward_model.scalar_head.register_forward_pre_hook(lambda module, inputs: record("reward"))
+    tokens = torch.randint(0, PAD, (4, 12), generator=torch.Generator().manual_seed(0))
+    tokens[:2, :3] = PAD
+    for run_policy, run_reward in ((policy, reward_model), (torch.compile(policy, backend="eager"),
+                                                            torch.compile(reward_model, backend="eager"))):  # fmt: skip
+        seen.clear()
+        logits, values = run_policy(tokens, 8, PAD, 0.7)
+        run_reward(tokens[:, :8], tokens[:, 8:])
+        assert sorted({name for name, *_ in seen}) == ["lm", "reward", "value"]
+        assert all(not tf32 and not compiling for _, tf32, compiling in seen), seen
+        assert torch.backends.cuda.matmul.allow_tf32  # restored for the trunk
+        assert logits.dtype == values.dtype == torch.float32

@@ -471,7 +471,7 @@ def test_harness_without_openai_src_skips_with_one_line(tmp_path):
 
 
 PYTEST_FAILURE = """\
-FAILED tests/test_x.py::test_y - {summary}
+FAILED tests/test_openai_reference.py::test_y - {summary}
 =================================== FAILURES ===================================
 ___________________________________ test_y ____________________________________
 {body}

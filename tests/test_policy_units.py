@@ -748,8 +748,9 @@ def test_vocabulary_logits_are_the_heads_on_either_product_orientation():
 def test_record_update_logs_the_kl_by_three_estimators_and_approxkls_largest(monkeypatch):
     """record_update (OAI record_step_stats): objective/kl is k1, OAI's Σ_t log π − log π_ref; kl_k2 and kl_k3 are
     Σ_t ½(log r)² and Σ_t (r − 1 − log r) with r = π_ref / π, batch means; approxkl is the mean over the update's
-    micro-batches and approxkl_max the largest minibatch's (the mean of its micro-batches). Hand-checked on two responses
-    of two tokens, and 3 minibatches of 1 and of 2 micro-batches."""
+    micro-batches and approxkl_max the largest minibatch's (the mean of its micro-batches); first_ratio_max_deviation
+    the first minibatch's largest |ratio - 1| (its micro-batches run before any optimizer step). Hand-checked on two
+    responses of two tokens, and 3 minibatches of 1 and of 2 micro-batches."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     args = P.validate_args(policy_args(batch_size=8, total_episodes=24, whitening_ranks=1))
     logprobs = torch.tensor([[-1.0, -2.0], [-0.5, -0.5]])
@@ -759,7 +760,7 @@ def test_record_update_logs_the_kl_by_three_estimators_and_approxkls_largest(mon
                    ref_logprobs=ref_logprobs, non_score_reward=-0.1 * (logprobs - ref_logprobs))  # fmt: skip
     stats = {key: [torch.tensor(value) for value in values] for key, values in {
         "ppo/policy/approxkl": [0.01, 0.04, 0.02], "ppo/loss/total": [1.0, 1.0, 1.0], "ppo/returns/var": [2.0] * 3,
-        "ppo/val/error": [1.0] * 3}.items()}  # fmt: skip
+        "ppo/val/error": [1.0] * 3, "ppo/policy/ratio_max_deviation": [0.0, 0.3, 0.2]}.items()}  # fmt: skip
     accelerator = types.SimpleNamespace(device=torch.device("cpu"), process_index=0, gather=lambda tensor: tensor)
     run = types.SimpleNamespace(accelerator=accelerator, stop_if_not_finite=lambda row, update, where: None,
                                 elapsed=lambda: 1.0, samples=lambda *a: None, print=lambda *a: None)  # fmt: skip
@@ -774,13 +775,16 @@ def test_record_update_logs_the_kl_by_three_estimators_and_approxkls_largest(mon
         0.04
     )
     assert row["objective/kl_coef"] == 0.1 and row["ppo/episode"] == 16 and row["update"] == 2
+    assert row["ppo/policy/first_ratio_max_deviation"] == 0.0 and "ppo/policy/ratio_max_deviation" not in row
     args = P.validate_args(
         policy_args(batch_size=8, total_episodes=24, whitening_ranks=1, gradient_accumulation_steps=2)
     )
     stats["ppo/policy/approxkl"] = [torch.tensor(value) for value in (0.01, 0.05, 0.04, 0.04, 0.02, 0.0)]
+    stats["ppo/policy/ratio_max_deviation"] = [torch.tensor(value) for value in (0.0, 2e-3, 0.5, 0.1, 0.2, 0.3)]
     row = P.record_update(run, 2, {**stats, "ppo/loss/total": [torch.tensor(1.0)] * 6}, rollout, timer, args,
                           kl_coef=0.1, lr=1e-5, policy=types.SimpleNamespace(lm=None), tokenizer=None)  # fmt: skip
     assert row["ppo/policy/approxkl_max"] == pytest.approx(0.04)  # the minibatches' means: 0.03, 0.04, 0.01
+    assert row["ppo/policy/first_ratio_max_deviation"] == pytest.approx(2e-3)  # the first minibatch's 2 micro-batches
 
 
 def test_minibatches_shuffle_each_share_afresh_every_epoch():

@@ -31,12 +31,7 @@ def test_throughput_harness_reports_both_stages(gpt2_tokenizer_dir):
     assert set(policy["phases"]) == {"time/generation", "time/logprobs", "time/scoring", "time/ppo_epochs"}
     assert abs(sum(policy["phases"].values()) - policy["seconds_per_update"]) < 1e-6
     assert 0 < policy["mfu_ppo_epochs"] < 1 and policy["peak_memory_gb"] > 0
-    command[command.index("--eval-labels") + 1] = "4"  # fewer than a batch: the policy stage does not need them
-    result = subprocess.run(
-        [*command, "--stage", "policy"], capture_output=True, text=True, timeout=600, env=env, cwd=REPO
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1])["stage"] == "policy"
+    assert policy["first_ratio_max_deviation"] == [0.0, 0.0]  # each update's: the warm-up and the measured one
 
 
 def accelerate_launcher(processes: int) -> str:
@@ -59,8 +54,9 @@ def cpu_environment(**more) -> dict:
 def test_throughput_runs_on_two_processes(gpt2_tokenizer_dir):
     """benchmark/launch/gpu/check.sh's zero2 configuration launches throughput.py on every GPU: its whitening ranks
     follow the processes (a fixed `--ppo.whitening-ranks 1` failed validation on more than one). Its reward model is
-    evaluated on held-out labels, and the line holds the memory estimate of that launch."""
-    command = [*TINY_POLICY, "--updates", "1", f"--launcher={accelerate_launcher(2)}"]
+    evaluated on held-out labels, and the line holds the memory estimate of that launch. --stage policy needs no
+    --eval-labels of its own (4 here, fewer than a batch, which --stage reward refuses)."""
+    command = [*TINY_POLICY, "--updates", "1", "--eval-labels", "4", f"--launcher={accelerate_launcher(2)}"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=cpu_environment(), cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     line = json.loads(result.stdout.strip().splitlines()[-1])
@@ -113,6 +109,43 @@ def test_mfu_peak_is_measured_in_the_runs_precision():
     allow_tf32 = torch.backends.cuda.matmul.allow_tf32
     assert throughput.measure_peak_tflops(torch.device("cpu"), "bf16") > 0
     assert torch.backends.cuda.matmul.allow_tf32 == allow_tf32  # restored
+
+
+def test_the_reward_stage_of_a_policy_measurement_takes_the_runs_precision():
+    """With --stage policy, --extra's precision flags also reach the reward model trained first (check.sh's bf16
+    configurations train and evaluate it under bf16: the best-of-4 forward's additive mask under bf16 SDPA), and only
+    those: the policy's own flags would be refused by the reward script."""
+    extra = "--ppo.gradient-accumulation-steps 4 --mixed-precision bf16 --allow-tf32 --compile"
+    assert throughput.precision_flags(extra) == ["--mixed-precision", "bf16", "--allow-tf32"]
+    assert throughput.precision_flags("--mixed-precision=bf16 --local-rollout-forward-batch-size 4") == [
+        "--mixed-precision=bf16"
+    ]
+    assert throughput.precision_flags("--ppo.noptepochs 2") == throughput.precision_flags("") == []
+
+
+def test_the_measured_task_has_left_padded_queries_and_padded_labels_as_books(gpt2_tokenizer_dir, tmp_path):
+    """What throughput.py gives the scripts: queries that start and end at a period, so left-padded, each row by its
+    own number of pads (the policy's forwards then attend under a (B, 1, L, L) mask, as on books, not unmasked), and
+    label records padded as OpenAI's files are, which the reward script reads."""
+    import rlhf_data
+    import run_utils
+    import train_policy_accelerate as P
+
+    args = throughput.Args(model="tiny", tokenizer=str(gpt2_tokenizer_dir))
+    model_dir, corpus, vocab = throughput.make_assets(args, tmp_path)
+    flags = [*throughput.task_flags(args, model_dir, corpus), "--rewards.function", "sentiment"]
+    policy_args = run_utils.task_cli(P.task_defaults, flags)
+    tokenizer, pad = P.load_tokenizer(str(model_dir)), 50257
+    texts = rlhf_data.QueryTexts.of_task(policy_args.task)
+    queries = P.QueryStream(texts, tokenizer, policy_args.task, pad, policy_args.seed).next_batch(64)
+    pads = (queries == pad).sum(1)
+    assert queries.shape == (64, 64) and (pads > 0).float().mean() > 0.5 and len(set(pads.tolist())) >= 4
+    assert (queries[:, -1] == tokenizer.encode(".")[0]).all()  # left-padded: each ends at its last period
+    labels = throughput.random_labels(tmp_path / "labels.json", 16, args, vocab - 1)
+    lengths = {"query": 64, **{f"sample{i}": 24 for i in range(4)}}
+    records = rlhf_data.read_label_records(str(labels), lengths, vocab, (throughput.OPENAI_PAD_ID, pad), 4)
+    padded = [key for record in records for key in lengths if throughput.OPENAI_PAD_ID in record[key]]
+    assert len(padded) > len(records) * len(lengths) / 2
 
 
 def test_launch_of_counts_the_processes_and_the_zero_stage():

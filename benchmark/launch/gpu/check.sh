@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # One short GPU check of the real training loops (benchmark/speed/throughput.py), in this order:
-#   1. gpt2 zero2: GPT-2 124M under DeepSpeed ZeRO-2 on every GPU of the node (NCCL; its one-step reward model is
-#      trained and evaluated under ZeRO-2 too): what the CPU tests cannot show, first so that no budget cuts it;
+#   1. gpt2 zero2: GPT-2 124M under DeepSpeed ZeRO-2 on every GPU of the node (its one-step reward model is trained
+#      and evaluated under ZeRO-2 too): what the CPU tests cannot show, first so that no budget cuts it. On a node of
+#      one GPU that is one rank (the plan says so): DeepSpeed's engine from the bundle on CUDA, nothing partitioned,
+#      no NCCL traffic;
 #   2. gpt2 reward: the reward stage at OpenAI's label batch (32) with its held-out evaluation (256 labels);
 #   3-5. gpt2 at OpenAI's batch of 512 episodes (64 + 24 tokens, 4 PPO epochs): fp32, bf16 + TF32, bf16 + TF32 +
 #      --compile;
 #   6. gpt2-large (774M) in bf16 + TF32 (micro-batches of 128: --ppo.gradient-accumulation-steps 4).
-# Every policy configuration's reward model is evaluated on 8 held-out labels, so every launch and precision passes
-# through the reward script's evaluation on the device. Each configuration appends one JSON line to $RESULTS as it
-# finishes (its seconds, its log, and throughput.py's line: the times, MFU against a peak measured in its own
-# precision, torch.cuda.max_memory_allocated next to run_utils' estimate of it) and writes its output to
-# $OUT_DIR/<model>_<config>.log; one that fails or passes its time limit appends {"name": ..., "failed": ...}.
+# Every policy configuration first trains a one-step reward model in its own precision and evaluates it on 8 held-out
+# labels, so every launch and precision passes through the reward script's training and evaluation on the device.
+# The queries start and end at a period, as books queries do, so most are left-padded: the attention runs masked, as
+# on books. Each configuration appends one JSON line to $RESULTS as it finishes (its seconds, its log, and
+# throughput.py's line: the times, MFU against a peak measured in its own precision, torch.cuda.max_memory_allocated
+# next to run_utils' estimate of it, and each update's ppo/policy/first_ratio_max_deviation: 0 when the PPO forward
+# computes exactly what the rollout computed, as on CPU) and writes its output to $OUT_DIR/<model>_<config>.log; one
+# that fails or passes its time limit appends {"name": ..., "failed": ...}.
 #
 #   PLAN=1 bash benchmark/launch/gpu/check.sh      # the plan: configurations, order, estimated times; no run
 #   bash benchmark/launch/gpu/check.sh             # a node that can reach PyPI: requirements.txt installed

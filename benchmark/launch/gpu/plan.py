@@ -38,6 +38,7 @@ START_S_PER_GB = 8  # the random model's fp32 weights: initialized on CPU, saved
 LAYER_STEP_S = 2e-4  # one layer of one sampling step of a chunk: launch-bound (eager, ~15 kernels)
 COMPILE_S, COMPILE_S_PER_LAYER = 30, 2.5  # Inductor's first compilation of the training forward, cold cache
 DEEPSPEED_S = 20  # importing DeepSpeed and building its engine, for the reward and for the policy stage
+ONE_RANK = "1 GPU: one DeepSpeed rank, nothing partitioned, no NCCL traffic: DeepSpeed's engine runs, ZeRO-2's sharding does not"
 
 
 def trunk_parameters(layers: int, d: int) -> int:
@@ -91,7 +92,8 @@ def main() -> None:
         seconds = estimated_seconds(model, config, args.batch, args.updates, args.gpus)
         total += seconds
         over = f"  (over LIMIT {args.limit} s)" if seconds > args.limit else ""
-        print(f"{i:3}. {model + ' ' + config:<28} ~{seconds:4.0f} s   (total ~{total:4.0f} s){over}")
+        checks = f"  ({ONE_RANK})" if CONFIGS[config][2] and args.gpus == 1 else ""
+        print(f"{i:3}. {model + ' ' + config:<28} ~{seconds:4.0f} s   (total ~{total:4.0f} s){over}{checks}")
     verdict = "within" if total <= args.budget else "OVER"
     print(f"total ~{total:.0f} s: {verdict} BUDGET {args.budget} s")
 
