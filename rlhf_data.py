@@ -68,7 +68,12 @@ class QueryTexts:
 
     def __init__(self, name: str, config: Optional[str], field: str, rows_per_text: int = 1):
         self.name, self.config, self.field, self.rows_per_text = name, config, field, rows_per_text
+        if os.path.isdir(name) and not any(os.scandir(name)):
+            fail(f"--task.query-dataset {name!r}: an empty directory")
         self.rows = self.read_file() if os.path.isfile(name) else self.read_dataset()
+        if len(self.rows) and not len(self):
+            fail(f"--task.query-dataset {name!r} has {len(self.rows)} rows, fewer than one text of --task.passage-rows "
+                 f"{rows_per_text}")  # fmt: skip
 
     @classmethod
     def of_task(cls, task) -> "QueryTexts":
@@ -89,17 +94,29 @@ class QueryTexts:
         with flag_errors(flag, path, "cannot read it"):
             content = Path(path).read_text(encoding="utf-8")
         if path.endswith((".json", ".jsonl")):
+            rows, where = [], []  # the records, and where each is: "line N" of JSON lines, "record N" of a list
             try:
-                rows = [json.loads(line) for line in content.splitlines() if line.strip()]
-                rows = rows[0] if path.endswith(".json") and len(rows) == 1 and isinstance(rows[0], list) else rows
+                for number, line in enumerate(content.splitlines(), 1):
+                    if line.strip():
+                        rows.append(json.loads(line))
+                        where.append(f"line {number}")
             except json.JSONDecodeError as error:
                 try:  # a .json file with a list spread over several lines
-                    rows = json.loads(content)
-                except json.JSONDecodeError:
-                    fail(f"{flag} {path!r}: not JSON lines or a JSON list ({first_line(error)})")
-            if not all(isinstance(row, dict) and self.field in row for row in rows):
-                fail(f"--task.query-field {self.field!r} is not a field of every record of {path}")
-            return [str(row[self.field]) for row in rows]
+                    rows, where = json.loads(content), None
+                except json.JSONDecodeError as whole:  # the error of the form the file starts as
+                    problem = f"line {number}: {first_line(error)}"
+                    problem = first_line(whole) if content.lstrip().startswith("[") else problem
+                    fail(f"{flag} {path!r}: not JSON lines or a JSON list ({problem})")
+            if path.endswith(".json") and len(rows) == 1 and isinstance(rows[0], list):  # a list on one line
+                rows, where = rows[0], None
+            if not isinstance(rows, list):
+                fail(f"{flag} {path!r}: not JSON lines or a JSON list (one {type(rows).__name__})")
+            for row, at in zip(rows, where or [f"record {index}" for index in range(len(rows))], strict=True):
+                if not isinstance(row, dict) or self.field not in row:
+                    fail(f"{flag} {path!r}: {at} has no field {self.field!r} (--task.query-field)")
+                if not isinstance(row[self.field], str):
+                    fail(f"{flag} {path!r}: {at}: {self.field!r} is {json.dumps(row[self.field])}, not a text")
+            return [row[self.field] for row in rows]
         return content.splitlines()
 
     def read_dataset(self):
@@ -216,9 +233,10 @@ LABEL_ANSWER_KEYS = (("score", "scalar_rating"), ("difference", "scalar_compare"
 """OAI's label_types.py tells label types by their answer key; best-of-N records answer with `best`."""
 
 
-def read_label_records(path: str, lengths: dict[str, int], vocab_size: int, pad_ids: tuple, num_samples: int) -> list:
+def read_label_records(path: str, lengths: dict[str, int], vocab_size: Optional[int], pad_ids: tuple,
+                       num_samples: int) -> list:  # fmt: skip
     """Read and check a best-of-N label file (OAI's schema: a JSON list of {query, sample0..sample{N-1}, best}, token
-    ids); every problem is one line naming the file and the record."""
+    ids within `vocab_size`, unless None, or `pad_ids`); every problem is one line naming the file and the record."""
     flag = "--label-dataset"
     try:
         records = json.loads(Path(path).read_text())
@@ -247,11 +265,12 @@ def read_label_records(path: str, lengths: dict[str, int], vocab_size: int, pad_
             fail(f"{where}: 'best' must be an integer in 0..{num_samples - 1}, got {record.get('best')!r}")
     tokens = np.asarray([[t for key in lengths for t in record[key]] for record in records] or [[0]])
     keys = [key for key, length in lengths.items() for _ in range(length)]  # the record key of each column
-    if tokens.dtype.kind not in "iub":  # a float, string or null somewhere
-        index, column = next(
-            (i, j) for i, row in enumerate(tokens.tolist()) for j, t in enumerate(row) if type(t) is not int
-        )
-        fail(f"{flag} {path}: record {index}: {keys[column]!r} has token id {tokens[index][column]!r}, not an integer")
+    if tokens.dtype.kind not in "iu":  # a float, bool, string or null somewhere: found in the records as read
+        found = ((i, key, t) for i, record in enumerate(records) for key in lengths for t in record[key])
+        index, key, token = next((where for where in found if type(where[2]) is not int), (0, "query", "?"))
+        fail(f"{flag} {path}: record {index}: {key!r} has token id {json.dumps(token)}, not an integer")
+    if vocab_size is None:
+        return records
     bad = ~(((tokens >= 0) & (tokens < vocab_size)) | np.isin(tokens, pad_ids))
     if bad.any():
         index = int(bad.any(1).argmax())

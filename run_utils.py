@@ -23,6 +23,7 @@ import signal
 import socket
 import sys
 import time
+import zipfile
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -37,7 +38,7 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 from rich.text import Text
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 
 CHECKPOINT_FORMAT = 2  # 2: accelerate's save_state layout (1, before it: model.pt / optimizer.pt / processes.pt)
 RUN_LOGS = ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl")  # copied into each checkpoint
@@ -62,7 +63,8 @@ class RunArgs:
     output_dir: Optional[str] = None
     """where args.json, metrics.jsonl, the logs and the trained model go; runs/<run_name> when not given"""
     overwrite: bool = False
-    """start again in an output directory that holds a previous run (its logs and checkpoints go)"""
+    """start again in an output directory that holds a previous run of this script (its logs and checkpoints go, once
+    every input is checked)"""
     resume: bool = False
     """continue the run in --output-dir from its newest checkpoint (from scratch if it has none; returns at once if it
     finished); every flag that changes the math must be as before"""
@@ -72,7 +74,8 @@ class RunArgs:
     checkpoint_keep: int = 2
     """keep the newest this many checkpoints"""
     dry_run: bool = False
-    """check every flag and every input the run will read, print the derived sizes and exit before loading a model"""
+    """check every flag and every input the run will read, print the derived sizes and exit before loading a model (a
+    Hub input is not fetched: it, and what needs it, are listed as not checked)"""
     mixed_precision: Literal["no", "bf16"] = "no"
     """bf16: the trunk's forwards under bf16 autocast with fp32 master weights and optimizer state; the LM head's
     logits, the value and reward heads, log-softmax, losses, rewards and advantages stay fp32, as OpenAI's (a GPU
@@ -148,14 +151,36 @@ def exact_div(total: int, parts: int, flags: str) -> int:
     return total // parts
 
 
-def require_positive(args, *names: str) -> None:
-    """Every named flag (a field path such as "ppo.lr") is > 0 (None: not set, fine)."""
-    for name in names:
-        value = args
-        for part in name.split("."):
-            value = getattr(value, part)
-        if value is not None and not value > 0:
-            fail(f"--{name.replace('_', '-')} must be positive, got {value}")
+# The range of each numeric flag, as (what the error says it must be, the test): the scripts' tables name every int
+# and float field of their Args (tests/test_bad_input.py checks that none is missing); a float must also be finite.
+COUNT = ("positive", lambda value: value >= 1)  # sizes, counts, lengths, frequencies (integers)
+POSITIVE = ("positive", lambda value: value > 0)  # rates, temperatures, clip ranges, Adam's epsilon, targets
+NON_NEGATIVE = (">= 0", lambda value: value >= 0)  # coefficients (0: the term is off), optional counts
+UNIT_INTERVAL = ("in [0, 1]", lambda value: 0 <= value <= 1)  # discount and GAE lambda
+FINITE = ("a finite number", lambda value: True)  # a score that may be any number
+SEED = ("in [0, 2**32)", lambda value: 0 <= value < 2**32)  # numpy's seeds: RandomState's range, no negative seed
+RUN_RANGES = {"seed": SEED, "checkpoint_every": NON_NEGATIVE, "checkpoint_keep": COUNT, "peak_tflops": POSITIVE,
+              "gpu_memory_gb": POSITIVE}  # fmt: skip
+"""The tooling flags' ranges (RunArgs)."""
+TASK_RANGES = {"task.passage_rows": COUNT, "task.query_length": COUNT, "task.response_length": COUNT,
+               "task.truncate_after": NON_NEGATIVE, "task.temperature": POSITIVE}  # fmt: skip
+"""The ranges of the task flags both scripts have (logits / temperature: a temperature must be > 0)."""
+
+
+def field_value(args, name: str):
+    """The value of a field path such as "ppo.lr"."""
+    for part in name.split("."):
+        args = getattr(args, part)
+    return args
+
+
+def check_ranges(args, ranges: dict[str, tuple]) -> None:
+    """Every flag of `ranges` (field path -> a range above) within its range, or one line naming it and the range
+    (None: not set, fine)."""
+    for name, (expected, holds) in ranges.items():
+        value = field_value(args, name)
+        if value is not None and not (math.isfinite(value) and holds(value)):
+            fail(f"--{name.replace('_', '-')} must be {expected}, got {value}")
 
 
 def require_package(module: str, package: str, option: str) -> None:
@@ -190,13 +215,14 @@ def task_cli(task_defaults, args: Optional[list[str]] = None, **cli_options):
     return tyro.cli(type(default), default=default, args=args, **cli_options)
 
 
-def check_run_args(args) -> None:
-    """Derived values and checks of the tooling flags (each script's validate_args calls it)."""
+def check_run_args(args, ranges: dict[str, tuple]) -> None:
+    """Derived values and checks of the tooling flags, and the range of every numeric flag: the tooling's, the task's
+    and the script's own `ranges` (each script's validate_args calls it first)."""
     NOT_CHECKED.clear()
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    require_positive(args, "peak_tflops", "gpu_memory_gb", "checkpoint_keep")
-    if args.checkpoint_every < 0:
-        fail("--checkpoint-every must be >= 0")
+    if args.world_size < 1:
+        fail(f"WORLD_SIZE={args.world_size}: a run needs at least one process")
+    check_ranges(args, {**RUN_RANGES, **TASK_RANGES, **ranges})
     if args.resume and args.overwrite:
         fail("--resume continues the run in --output-dir and --overwrite starts it again: pass one of them")
     if args.resume and args.output_dir is None:
@@ -239,7 +265,7 @@ def check_source(value: str, flag: str, fetch: bool = True) -> None:
         )
 
 
-NOT_CHECKED: list[str] = []  # the inputs a --dry-run did not fetch from the Hub (reset by check_run_args)
+NOT_CHECKED: list[str] = []  # what a --dry-run could not check: Hub inputs and what needs them (check_run_args resets)
 
 
 def available(value: str, flag: str, dry_run: bool, local: Optional[bool] = None) -> bool:
@@ -251,6 +277,30 @@ def available(value: str, flag: str, dry_run: bool, local: Optional[bool] = None
     if dry_run:
         NOT_CHECKED.append(f"{flag} {value} (on the Hub)")
     return not dry_run
+
+
+def check_base_model(args, tokenizer, config) -> None:
+    """--base-model, once its tokenizer and config are read: a causal LM, its weight files whole (a local directory:
+    their headers, not the tensors), and positions for the longest sequence it reads, prefix ⊕ query ⊕ suffix ⊕
+    response (the scripts' other models read less: the bare query ⊕ response)."""
+    require_causal_lm(config, args.base_model, "--base-model")
+    if os.path.isdir(args.base_model):
+        check_model_files(args.base_model, "--base-model")
+    task = args.task
+    prefix, suffix = (len(tokenizer.encode(text, add_special_tokens=False)) for text in (task.query_prefix,
+                                                                                         task.query_suffix))  # fmt: skip
+    check_positions(config, "--base-model", args.base_model, {"--task.query-prefix": prefix, "--task.query-length":
+                    task.query_length, "--task.query-suffix": suffix, "--task.response-length": task.response_length})  # fmt: skip
+
+
+def check_positions(config, flag: str, value: str, lengths: dict[str, int]) -> None:
+    """A model's positions (n_positions, max_position_embeddings) hold the tokens it reads, the sum of `lengths` (the
+    flag behind each part -> its tokens): GPT-2's learned position embeddings end there (an IndexError beyond)."""
+    positions, total = getattr(config, "max_position_embeddings", None), sum(lengths.values())
+    if isinstance(positions, int) and total > positions:
+        parts = " + ".join(f"{name} ({tokens} tokens)" for name, tokens in lengths.items() if tokens)
+        fail(f"{parts} = {total} tokens, more than the {positions} positions of {flag} {value!r}: lower "
+             "--task.query-length or --task.response-length")  # fmt: skip
 
 
 def print_dry_run(args, keys: tuple[str, ...]) -> None:
@@ -337,6 +387,51 @@ def require_causal_lm(config, value: str, flag: str) -> None:
         fail(f"{flag} {value!r} is not a causal LM (saved as {', '.join(architectures)})")
 
 
+def weights_file_problem(path: Path) -> Optional[str]:
+    """Why a weights or state file cannot be read, from its header or directory alone, not its tensors (None: it
+    can): a .safetensors file's header and size (safetensors' own check: a file cut short fails it), a torch.save
+    file's zip directory (at its end: a file cut short has none). A pre-zip torch.save file is not checked."""
+    try:
+        if path.suffix == ".safetensors":
+            with safe_open(path, framework="pt"):
+                return None
+        if path.suffix in (".bin", ".pt", ".pth", ".pkl"):
+            with open(path, "rb") as file:
+                if file.read(2) != b"PK":  # zip's magic; a pre-zip torch.save file starts with a pickle
+                    return None
+            with zipfile.ZipFile(path):
+                return None
+    except (OSError, SafetensorError, zipfile.BadZipFile) as error:
+        return f"damaged: {first_line(error)}"
+    return None
+
+
+def check_model_files(directory: str, flag: str) -> None:
+    """The weight files a Hugging Face model directory loads from (the safetensors ones when there are, as
+    transformers prefers them; every shard of an index), there and whole, before any model loads."""
+    path = Path(directory)
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        index, files = path / f"{name}.index.json", [path / name] if (path / name).is_file() else []
+        if index.is_file():
+            with flag_errors(flag, directory, f"cannot load its weights ({index.name})"):
+                files += [path / shard for shard in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        if files:
+            break
+    else:
+        fail(f"{flag} {directory!r}: cannot load its weights (no model.safetensors or pytorch_model.bin in it)")
+    for file in files:
+        problem = weights_file_problem(file) if file.is_file() else "missing"
+        if problem:
+            fail(f"{flag} {directory!r}: cannot load its weights ({file.name} {problem})")
+
+
+def safetensors_shapes(path: Path, flag: str, value: str) -> dict[str, list[int]]:
+    """The tensors' shapes in a .safetensors file's header (no tensor is read), or one line naming the flag."""
+    with flag_errors(flag, value, f"cannot read {path.name}"):
+        with safe_open(path, framework="pt") as file:
+            return {name: file.get_slice(name).get_shape() for name in file.keys()}
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """A short hash of the token → id map: the reward model and the policy must read tokens the same way."""
     import hashlib
@@ -373,24 +468,60 @@ def save_directory_atomic(path: Path, write) -> None:
         os.replace(temporary, path)
 
 
-def prepare_output_dir(output_dir: str, finished_marker: str, overwrite: bool, resume: bool) -> Path:
-    """Create the output directory, refusing to touch a previous run unless told how (--resume or --overwrite), and
-    check it is writable now, not after hours of training."""
-    path = Path(output_dir)
-    finished = (path / finished_marker).exists()
-    if not (overwrite or resume) and (finished or any((path / n).exists() for n in ("metrics.jsonl", "checkpoints"))):
-        what = "a finished run" if finished else "an unfinished run"
-        fail(
-            f"--output-dir {output_dir!r} already holds {what}; pass --resume to continue it, --overwrite to start "
-            "again, or another --output-dir"
-        )
+RUN_KINDS = {"policy": ("ppo", "a policy run (train_policy_accelerate.py)"),
+             "reward_model": ("labels", "a reward-model run (train_reward_accelerate.py)")}  # fmt: skip
+"""Each script's result directory -> a top-level key that only its args.json has, and what its run is called."""
+
+
+def check_output_dir(args, result: str, may_change: set[str]) -> Path:
+    """--output-dir as the run will find it, checked without touching it (a --dry-run checks it too, and the run
+    again when it starts): it holds no run of another script or a quick start (refused even with --overwrite); a
+    previous run of this script is touched only with --resume (its flags as before, when it did any work) or
+    --overwrite (no input inside what that removes); it can be written to."""
+    path, shown = Path(args.output_dir), repr(args.output_dir)
+    saved = {}
+    if (path / "args.json").is_file():
+        try:
+            saved = json.loads((path / "args.json").read_text())
+        except (OSError, ValueError):
+            pass  # nothing to tell it by; --resume reports it (check_resume_args)
+    others = [kind for marker, (key, kind) in RUN_KINDS.items()
+              if marker != result and ((path / marker).exists() or (isinstance(saved, dict) and key in saved))]  # fmt: skip
+    others += ["a quick start (quickstart.py)"] if (path / "quickstart_args.json").exists() else []
+    if others:
+        fail(f"--output-dir {shown} holds {others[0]}: a run never writes into another's directory, not even with "
+             "--overwrite; use another --output-dir")  # fmt: skip
+    finished = (path / result).exists()
+    metrics = path / "metrics.jsonl"  # empty: a start that failed before any work (its inputs), nothing to keep
+    logged = metrics.is_file() and metrics.stat().st_size > 0
+    worked = finished or logged or any(path.glob("checkpoints/step-*")) or any(path.glob("*.partial"))
+    if worked and not (args.overwrite or args.resume):
+        fail(f"--output-dir {shown} already holds {'a finished' if finished else 'an unfinished'} run; pass --resume "
+             "to continue it, --overwrite to start again, or another --output-dir")  # fmt: skip
+    if worked and args.resume:
+        check_resume_args(path, args, RESUME_MAY_CHANGE | may_change, finished)
+    if worked and args.resume and args.dry_run:  # the run itself checks them as it starts (Run)
+        sound_checkpoint(sorted(path.glob("checkpoints/step-*")), lambda line: print(line, file=sys.stderr))
+    if args.overwrite:
+        check_inputs_outside(args, [path / name for name in (*RUN_LOGS, "checkpoints", result)])
+    existing = next(parent for parent in (path, *path.absolute().parents) if parent.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        what = "a file" if not existing.is_dir() else "not writable"
+        fail(f"--output-dir {shown} is not writable ({existing} is {what})")
+    return path
+
+
+def prepare_output_dir(args, result: str, may_change: set[str]) -> Path:
+    """Create the output directory once check_output_dir passes, and check it is writable now, not after hours of
+    training."""
+    path = check_output_dir(args, result, may_change)
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write-test-{os.getpid()}"
         probe.write_text("")
         probe.unlink()
     except OSError as error:
-        fail(f"--output-dir {output_dir!r} is not writable ({error.strerror})")
+        fail(f"--output-dir {args.output_dir!r} is not writable ({error.strerror})")
     return path
 
 
@@ -418,18 +549,34 @@ def flat_dict(config: dict, prefix: str = "") -> dict:
     return dict(item for group in items for item in group)
 
 
-def check_resume_args(output_dir: Path, args, may_change: set[str]) -> None:
-    """--resume continues the same run: every flag that changes the math must equal the first attempt's."""
+def check_resume_args(output_dir: Path, args, may_change: set[str], finished: bool = False) -> None:
+    """--resume continues the same run: every flag that changes the math must equal the first attempt's (a path by
+    the file it names, not by its spelling: `runs/x/` is `runs/x`)."""
     saved_path = output_dir / "args.json"
     if not saved_path.is_file():
         return  # the first attempt died before writing anything: resuming starts from scratch
-    saved, current = flat_dict(json.loads(saved_path.read_text())), flat_dict(json.loads(json.dumps(asdict(args))))
-    changed = sorted(key for key in current if key not in may_change and saved.get(key) != current[key])
+    try:
+        saved = flat_dict(json.loads(saved_path.read_text()))
+    except (OSError, ValueError, AttributeError) as error:
+        fail(f"--resume: {saved_path} is not a run's args.json ({first_line(error)}); start again with --overwrite")
+    current = flat_dict(json.loads(json.dumps(asdict(args))))
+    changed = sorted(key for key in current if key not in may_change and not same_value(saved.get(key), current[key]))
     if changed:
-        fail(f"--resume: {', '.join('--' + key.replace('_', '-') for key in changed)} differ from {saved_path}")
+        again = "; the run finished: --overwrite trains it again with the new flags" if finished else ""
+        fail(f"--resume: {', '.join('--' + key.replace('_', '-') for key in changed)} differ from {saved_path}{again}")
+
+
+def same_value(saved, current) -> bool:
+    """A flag's value as the first attempt saved it and as given now: equal, or paths of the same file."""
+    if saved == current or not (isinstance(saved, str) and isinstance(current, str) and saved and current):
+        return saved == current
+    if os.path.normpath(saved) == os.path.normpath(current):
+        return True
+    return os.path.exists(saved) and os.path.exists(current) and os.path.samefile(saved, current)
 
 
 RESUME_MAY_CHANGE = {
+    "output_dir",  # the run's own directory, wherever it is now (a moved run resumes)
     "resume",
     "overwrite",
     "run_name",
@@ -507,6 +654,37 @@ def check_launch(accelerator, args) -> None:
             zero[key] = ZERO_BUCKET_VALUES
 
 
+def checkpoint_problem(directory: Path) -> Optional[str]:
+    """Why a checkpoint cannot be resumed from (None: it can): its state.json parsed, every model, optimizer and RNG
+    file's header or zip directory read (not the tensors: a file cut short fails it, weights_file_problem)."""
+    try:
+        state = json.loads((directory / "state.json").read_text())
+    except (OSError, ValueError) as error:
+        return f"state.json: {first_line(error)}"
+    needed = {"step", "world_size", "elapsed", "processes"}
+    if not isinstance(state, dict) or state.get("format") == CHECKPOINT_FORMAT and not needed <= state.keys():
+        return f"state.json: not a checkpoint's state (it needs {', '.join(sorted(needed))})"
+    for path in sorted(directory.rglob("*")):
+        if path.is_file() and (problem := weights_file_problem(path)):
+            return f"{path.relative_to(directory)} {problem}"
+    return None
+
+
+def sound_checkpoint(checkpoints: list[Path], report) -> Optional[Path]:
+    """The newest of `checkpoints` (oldest first) that checkpoint_problem passes, `report`ing each newer one it passes
+    over (damaged after it was written, e.g. a disk that filled or a copy cut short); None when there are none, one
+    line when none is sound."""
+    for checkpoint in reversed(checkpoints):
+        problem = checkpoint_problem(checkpoint)
+        if problem is None:
+            return checkpoint
+        report(f"--resume: {checkpoint} is damaged ({problem}); trying the checkpoint before it")
+    if checkpoints:
+        fail(f"--resume: no checkpoint in {checkpoints[0].parent} can be read (the newest: {checkpoints[-1].name} "
+             f"{checkpoint_problem(checkpoints[-1])}); start again with --overwrite")  # fmt: skip
+    return None
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # one run: its directory, logs, checkpoints and stop signals
 class Run:
@@ -516,13 +694,11 @@ class Run:
 
     def __init__(self, args, accelerator, result: str, may_change: set[str], step_name: str = "step"):
         check_launch(accelerator, args)  # before anything is written
-        if args.overwrite:
-            check_inputs_outside(args, [Path(args.output_dir, name) for name in (*RUN_LOGS, "checkpoints", result)])
         self.args, self.accelerator, self.result, self.step_name = args, accelerator, result, step_name
         self.main, self.console, self.stop_signal = accelerator.is_main_process, console, None
         for signum in (signal.SIGTERM, signal.SIGINT):  # before the first file is written: a stop keeps it whole
             signal.signal(signum, self.handle_signal)
-        self.output_dir = prepare_output_dir(args.output_dir, result, args.overwrite, args.resume)
+        self.output_dir = prepare_output_dir(args, result, may_change)  # and --resume's flags, --overwrite's inputs
         accelerator.wait_for_everyone()  # every process has looked at the directory before process 0 writes to it
         self.finished = args.resume and (self.output_dir / result).is_dir()
         self.start_step, self.start_time, self.checkpoint = 0, time.time(), None
@@ -531,8 +707,7 @@ class Run:
             self.print(f"--resume: {self.output_dir} holds a finished run ({result}/ exists); nothing to do")
             return
         if args.resume:
-            check_resume_args(self.output_dir, args, RESUME_MAY_CHANGE | may_change)
-            self.checkpoint = (self.checkpoints() or [None])[-1]
+            self.checkpoint = sound_checkpoint(self.checkpoints(), self.print)
         if self.main:
             self.start_files()
         accelerator.wait_for_everyone()

@@ -846,6 +846,21 @@ SAMPLE_ROWS = 4  # rows of the sample table printed to the console
 DRY_RUN_SIZES = ("world_size", "local_batch_size", "local_mini_batch_size", "micro_batch_size", "num_updates")
 RESUME_MAY_CHANGE = {"local_batch_size", "local_mini_batch_size", "micro_batch_size", "local_whitening_ranks"}
 """Per-process sizes a resumed run may recompute (the checkpoint's number of processes is checked instead)."""
+POLICY_FLAG_RANGES = {
+    **dict.fromkeys(("ppo.total_episodes", "ppo.batch_size", "ppo.nminibatches", "ppo.noptepochs",
+                     "ppo.gradient_accumulation_steps", "ppo.whitening_ranks", "rewards.adaptive_kl.horizon",
+                     "local_rollout_forward_batch_size", "print_sample_output_freq", "eval_every", "eval_queries",
+                     "eval_samples_per_query"), run_utils.COUNT),
+    # Adam's lr and epsilon (eps 0 divides 0 by 0 on a zero gradient), the PPO clip ranges (0 leaves no step to
+    # take), the adaptive KL target (the controller divides by it)
+    **dict.fromkeys(("ppo.lr", "ppo.eps", "ppo.cliprange", "ppo.cliprange_value", "rewards.adaptive_kl.target"),
+                    run_utils.POSITIVE),
+    # a negative KL coefficient would reward moving away from the reference; a negative value-loss one, a worse value
+    "rewards.kl_coef": run_utils.NON_NEGATIVE, "ppo.vf_coef": run_utils.NON_NEGATIVE,
+    "ppo.gamma": run_utils.UNIT_INTERVAL, "ppo.lam": run_utils.UNIT_INTERVAL,  # GAE: 0 (one-step TD) to 1 (Monte Carlo)
+    "task.penalty_reward_value": run_utils.FINITE,
+}  # fmt: skip
+"""The range of every numeric flag of this script; run_utils.RUN_RANGES and TASK_RANGES hold those both share."""
 
 
 # OAI's tldr and cnndm (launch.py summarize_tldr_task, summarize_cnndm_task, get_experiments) where they differ from
@@ -875,10 +890,13 @@ def task_defaults(name: Optional[str] = None) -> Args:
 
 def validate_args(args: Args) -> Args:
     """Derive every per-process size in one place and reject inconsistent flags before anything is loaded."""
-    run_utils.check_run_args(args)
+    run_utils.check_run_args(args, POLICY_FLAG_RANGES)
     if (args.rewards.trained_model is None) == (args.rewards.function is None):
         run_utils.fail("give one of --rewards.trained-model (a reward model directory) and --rewards.function")
     ppo, processes = args.ppo, args.world_size
+    if ppo.total_episodes < ppo.batch_size:
+        run_utils.fail(f"--ppo.total-episodes {ppo.total_episodes} is less than one update of --ppo.batch-size "
+                       f"{ppo.batch_size}")  # fmt: skip
     args.local_batch_size = run_utils.exact_div(ppo.batch_size, processes, "--ppo.batch-size / number of processes")
     args.local_mini_batch_size = run_utils.exact_div(
         args.local_batch_size, ppo.nminibatches, "--ppo.batch-size / (processes * --ppo.nminibatches)"
@@ -892,7 +910,7 @@ def validate_args(args: Args) -> Args:
             "--compile with --gradient-checkpointing on several processes: DDP's graph splitting for "
             "compiled models does not handle activation checkpoints (pytorch#104674): drop one of them"
         )
-    if ppo.whitening_ranks < 1 or ppo.whitening_ranks % processes:
+    if ppo.whitening_ranks % processes:
         run_utils.fail(f"--ppo.whitening-ranks {ppo.whitening_ranks} must be a multiple of the {processes} processes")
     args.local_whitening_ranks = ppo.whitening_ranks // processes
     share = run_utils.exact_div(ppo.batch_size, ppo.whitening_ranks * ppo.nminibatches,
@@ -902,11 +920,7 @@ def validate_args(args: Args) -> Args:
                        f"{share}: raise --ppo.batch-size or lower --ppo.whitening-ranks / --ppo.nminibatches")  # fmt: skip
     if not 0 <= args.task.truncate_after < args.task.response_length:
         run_utils.fail("--task.truncate-after must be >= 0 and < --task.response-length")
-    positive = ("ppo.lr", "ppo.total_episodes", "ppo.noptepochs", "task.query_length", "task.passage_rows",
-                "local_rollout_forward_batch_size", "print_sample_output_freq", "eval_every")  # fmt: skip
-    run_utils.require_positive(args, *positive)
     if args.task.gold_labeler is not None:
-        run_utils.require_positive(args, "eval_queries", "eval_samples_per_query")
         package = LABELER_PACKAGES[args.task.gold_labeler]
         run_utils.require_package(package, package, f"--task.gold-labeler {args.task.gold_labeler}")
     args.num_updates = math.ceil(ppo.total_episodes / ppo.batch_size)
@@ -914,47 +928,83 @@ def validate_args(args: Args) -> Args:
 
 
 def read_inputs(args: Args):
-    """What the run reads, checked before any model loads: the base model's tokenizer (and that it is a causal LM),
-    the reward model directory (and that it reads tokens as the policy writes them), the query texts (they must
-    yield a query), the services of --track / --upload-model. Returns (tokenizer, query texts); a --dry-run fetches
-    nothing from the Hub, and gives None for what it could not check."""
+    """What the run reads, checked before any model loads or anything is written: --output-dir, the services of
+    --track / --upload-model, the reward model directory by its files' content (and that it reads tokens as the
+    policy writes them) or --rewards.function (it imports, and scores a probe pair), the base model (its tokenizer and config, a causal LM, its
+    weight files, positions for the longest sequence), the query texts (they must yield queries, and leave some to
+    train on beside --eval-queries). Returns (tokenizer, query texts). A --dry-run fetches nothing from the Hub: it
+    checks every local input and lists what it could not check (None for it)."""
     task, dry_run = args.task, args.dry_run
     run_utils.check_services(args)
-    model = run_utils.available(args.base_model, "--base-model", dry_run)
-    query_texts = run_utils.available(task.query_dataset, "--task.query-dataset", dry_run)
-    if not model:
-        return None, None
-    with run_utils.flag_errors("--base-model", args.base_model, "cannot load a tokenizer and model config"):
-        tokenizer, config = load_tokenizer(args.base_model), config_without_dropout(args.base_model)
-    run_utils.require_causal_lm(config, args.base_model, "--base-model")
-    truncate_token_id(tokenizer, task)
-    if args.rewards.function is None:
-        check_reward_model(args.rewards.trained_model, tokenizer)
+    run_utils.check_output_dir(args, "policy", RESUME_MAY_CHANGE)
+    tokenizer = texts = None
+    if run_utils.available(args.base_model, "--base-model", dry_run):
+        with run_utils.flag_errors("--base-model", args.base_model, "cannot load a tokenizer and model config"):
+            tokenizer, config = load_tokenizer(args.base_model), config_without_dropout(args.base_model)
+        run_utils.check_base_model(args, tokenizer, config)
+        truncate_token_id(tokenizer, task)
     else:
-        RewardFunction(args.rewards.function, tokenizer)  # its module imports, its labeler's package is installed
-    texts = None
-    if query_texts:
+        vocabulary = "--rewards.trained-model's vocabulary, " if args.rewards.function is None else ""
+        run_utils.NOT_CHECKED.append(f"what needs --base-model's tokenizer: --task.truncate-token, the lengths against "
+                                     f"the models' positions, {vocabulary}that the query texts yield queries")  # fmt: skip
+    if args.rewards.function is None:
+        check_reward_model(args.rewards.trained_model, tokenizer, task)
+    else:
+        probe = reward_callable(args.rewards.function)(["A probe query."], ["A probe response."])  # it imports, runs
+        function_scores(args.rewards.function, probe, 1, "cpu")  # and gives one number per pair
+    if run_utils.available(task.query_dataset, "--task.query-dataset", dry_run):
         texts = rlhf_data.QueryTexts.of_task(task)
-        QueryStream(texts, tokenizer, task, tokenizer.pad_token_id, args.seed).next_batch(1)  # yields a query
+        if tokenizer is not None:
+            check_queries(texts, tokenizer, args)
     return tokenizer, texts
 
 
-def check_reward_model(directory: str, tokenizer) -> None:
-    """The reward_model/ directory of train_reward_accelerate.py, checked before any model loads: its files, and that
-    it reads tokens exactly as the policy writes them (the vocabulary's fingerprint)."""
-    flag, info_path = "--rewards.trained-model", Path(directory, "reward_model.json")
-    if not Path(directory).is_dir():
-        run_utils.fail(f"{flag} {directory!r}: no such directory")
-    if not info_path.is_file() or not Path(directory, "reward_head.safetensors").is_file():
-        run_utils.fail(
-            f"{flag} {directory!r}: not a reward model directory (no reward_model.json, reward_head.safetensors)"
-        )
-    info = json.loads(info_path.read_text())
-    if info.get("tokenizer_fingerprint") != run_utils.tokenizer_fingerprint(tokenizer):
+def check_queries(texts, tokenizer, args: Args) -> None:
+    """The query texts yield a query, and with --task.gold-labeler, the held-out queries leave texts to train on."""
+    held_out = frozenset()
+    if args.task.gold_labeler is not None:
+        stream = QueryStream(texts, tokenizer, args.task, tokenizer.pad_token_id, EVAL_SEED, chunk=args.eval_queries)
+        stream.next_batch(args.eval_queries)  # as held_out_queries draws them
+        if stream.epoch or stream.used >= len(texts):  # it read every text: the training stream would find none
+            run_utils.fail(f"--eval-queries {args.eval_queries}: the held-out queries take all {len(texts)} texts of "
+                           "--task.query-dataset, leaving none to train on; lower --eval-queries")  # fmt: skip
+        held_out = held_out_queries(texts, tokenizer, args.task, args.eval_queries)[2]
+    QueryStream(texts, tokenizer, args.task, tokenizer.pad_token_id, args.seed, exclude=held_out).next_batch(1)
+
+
+def check_reward_model(directory: str, tokenizer=None, task: Optional[TaskHParams] = None) -> None:
+    """The reward_model/ directory of train_reward_accelerate.py, checked before any model loads: its files by their
+    content (reward_model.json, config.json, the weight files' headers, a scalar head of the backbone's width);
+    with the base model's tokenizer, that it reads tokens exactly as the policy writes them (the vocabulary's
+    fingerprint) and, with the task, has positions for query ⊕ response."""
+    flag, path = "--rewards.trained-model", Path(directory)
+    if not path.is_dir():
+        run_utils.fail(f"{flag} {directory!r}: {'a file, not a directory' if path.exists() else 'no such directory'}")
+    if not (path / "reward_model.json").is_file() or not (path / "reward_head.safetensors").is_file():
+        inside = f"; {path / 'reward_model'} is one" if (path / "reward_model").is_dir() else ""
+        run_utils.fail(f"{flag} {directory!r}: not a reward model directory (no reward_model.json, "
+                       f"reward_head.safetensors){inside}")  # fmt: skip
+    with run_utils.flag_errors(flag, directory, "cannot read its reward_model.json"):
+        info = json.loads((path / "reward_model.json").read_text())
+    if not isinstance(info, dict) or not isinstance(info.get("pad_id"), int):
+        run_utils.fail(f"{flag} {directory!r}: its reward_model.json has no integer pad_id")
+    with run_utils.flag_errors(flag, directory, "cannot read its config.json"):
+        config = AutoConfig.from_pretrained(directory)
+    run_utils.check_model_files(directory, flag)
+    shapes = run_utils.safetensors_shapes(path / "reward_head.safetensors", flag, directory)
+    head = {"scalar_head.weight": [1, config.hidden_size], "scalar_head.bias": [1], "reward_gain": [],
+            "reward_bias": []}  # fmt: skip
+    if shapes != head:
+        run_utils.fail(f"{flag} {directory!r}: reward_head.safetensors holds {shapes}, not a scalar head of the "
+                       f"backbone's width {config.hidden_size} ({head})")  # fmt: skip
+    if tokenizer is not None and info.get("tokenizer_fingerprint") != run_utils.tokenizer_fingerprint(tokenizer):
         run_utils.fail(
             f"{flag} {directory!r} was trained with another tokenizer/vocabulary ({info.get('base_model')}) "
             "than --base-model"
         )
+    if task is not None:  # it reads the bare query ⊕ response
+        run_utils.check_positions(config, flag, directory, {"--task.query-length": task.query_length,
+                                                            "--task.response-length": task.response_length})  # fmt: skip
 
 
 def load_models(args: Args, tokenizer, device) -> tuple[PolicyAndValueWrapper, nn.Module, nn.Module]:
@@ -992,21 +1042,31 @@ class RewardFunction(nn.Module):
     def __init__(self, spec: str, tokenizer):
         super().__init__()
         self.spec, self.tokenizer, self.pad_id = spec, tokenizer, tokenizer.pad_token_id
-        if spec in LABELER_PACKAGES:
-            package = LABELER_PACKAGES[spec]
-            run_utils.require_package(package, package, f"--rewards.function {spec}")
-            self.function = lambda queries, responses: simulated_labeler_scores(spec, responses)
-        else:
-            self.function = run_utils.import_callable(spec, "--rewards.function")
+        self.function = reward_callable(spec)
 
     def forward(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
         scores = self.function(decode(self.tokenizer, queries), decode(self.tokenizer, responses))
-        scores = torch.as_tensor(np.asarray(scores, dtype=np.float32), device=responses.device)
-        if scores.shape != (len(responses),):
-            run_utils.fail(
-                f"--rewards.function {self.spec}: returned {tuple(scores.shape)} scores for {len(responses)} responses"
-            )
-        return scores
+        return function_scores(self.spec, scores, len(responses), responses.device)
+
+
+def function_scores(spec: str, scores, n: int, device) -> torch.Tensor:
+    """What --rewards.function returned for n pairs as (n,) float32 scores on `device`, or one line naming the flag."""
+    try:
+        scores = torch.as_tensor(np.asarray(scores, dtype=np.float32), device=device)
+    except (TypeError, ValueError) as error:
+        run_utils.fail(f"--rewards.function {spec}: returned scores that are not numbers ({error})")
+    if scores.shape != (n,):
+        run_utils.fail(f"--rewards.function {spec}: returned {tuple(scores.shape)} scores for {n} responses")
+    return scores
+
+
+def reward_callable(spec: str):
+    """--rewards.function's callable: a simulated labeler's score of the responses, or `module:callable` imported."""
+    if spec in LABELER_PACKAGES:
+        package = LABELER_PACKAGES[spec]
+        run_utils.require_package(package, package, f"--rewards.function {spec}")
+        return lambda queries, responses: simulated_labeler_scores(spec, responses)
+    return run_utils.import_callable(spec, "--rewards.function")
 
 
 def record_update(run, update: int, stats: dict, rollout: dict, timer, args: Args, *, kl_coef: float, lr: float,

@@ -698,6 +698,15 @@ SAMPLE_ROWS = 4  # rows of the sample table printed to the console
 DRY_RUN_SIZES = ("world_size", "local_batch_size", "micro_batch_size", "num_updates")
 RESUME_MAY_CHANGE = {"local_batch_size", "micro_batch_size", "local_rollout_batch_size", "local_eval_batch_size"}
 """Per-process sizes a resumed run may recompute (the checkpoint's number of processes is checked instead)."""
+REWARD_FLAG_RANGES = {
+    **dict.fromkeys(("batch_size", "gradient_accumulation_steps", "rollout_batch_size", "normalize_samples",
+                     "eval_batch_size", "print_sample_output_freq", "local_rollout_forward_batch_size",
+                     "labels.num_train"), run_utils.COUNT),
+    "lr": run_utils.POSITIVE, "eps": run_utils.POSITIVE,  # Adam's (eps 0 divides 0 by 0 on a zero gradient)
+    "labels.simulated_num_test": run_utils.NON_NEGATIVE,  # checked against --batch-size when labels are simulated
+    "labels.labeler_beta": run_utils.NON_NEGATIVE,  # 0: the labeler picks at random; < 0 would prefer the worst
+}  # fmt: skip
+"""The range of every numeric flag of this script; run_utils.RUN_RANGES and TASK_RANGES hold those both share."""
 
 
 # OAI's tldr and cnndm (launch.py summarize_tldr_task, summarize_cnndm_task, get_experiments) where they differ from
@@ -727,7 +736,7 @@ def task_defaults(name: Optional[str] = None) -> Args:
 
 def validate_args(args: Args) -> Args:
     """Derive every per-process size in one place and reject inconsistent flags before anything is loaded."""
-    run_utils.check_run_args(args)
+    run_utils.check_run_args(args, REWARD_FLAG_RANGES)
     args.local_batch_size = run_utils.exact_div(args.batch_size, args.world_size, "--batch-size / number of processes")
     args.micro_batch_size = run_utils.exact_div(
         args.local_batch_size,
@@ -740,9 +749,6 @@ def validate_args(args: Args) -> Args:
     args.local_eval_batch_size = run_utils.exact_div(
         args.eval_batch_size, args.world_size, "--eval-batch-size / number of processes"
     )
-    positive = ("lr", "labels.num_train", "task.query_length", "task.passage_rows", "normalize_samples",
-                "print_sample_output_freq", "local_rollout_forward_batch_size")  # fmt: skip
-    run_utils.require_positive(args, *positive)
     if args.labels.num_train % args.batch_size:  # OAI train_reward.py: exact_div
         run_utils.fail(
             f"--labels.num-train {args.labels.num_train} is not a multiple of --batch-size {args.batch_size}"
@@ -759,46 +765,51 @@ def validate_args(args: Args) -> Args:
 
 
 def read_inputs(args: Args):
-    """What the run reads, checked before any model loads: the base model's tokenizer (and that it is a causal LM),
-    the label file (schema, token ids, size), the query texts (they must yield a query), the services of --track /
-    --upload-model. Returns (tokenizer, labels, query texts); a --dry-run fetches nothing from the Hub, and gives None
-    for what it could not check."""
+    """What the run reads, checked before any model loads or anything is written: --output-dir, the services of
+    --track / --upload-model, the base model (its tokenizer and config, a causal LM, its weight files, positions for
+    the longest sequence), the label file (schema, token ids, size), the query texts (they must yield a query).
+    Returns (tokenizer, labels, query texts). A --dry-run fetches nothing from the Hub: it checks every local input
+    and lists what it could not check (None for it)."""
     task, dry_run, local_labels = args.task, args.dry_run, os.path.isdir(args.label_dataset_repo)
     run_utils.check_services(args)
-    model = run_utils.available(args.base_model, "--base-model", dry_run)
-    label_file = args.labels.source == "file" and run_utils.available(
+    run_utils.check_output_dir(args, "reward_model", RESUME_MAY_CHANGE)
+    tokenizer = labels = texts = None
+    if run_utils.available(args.base_model, "--base-model", dry_run):
+        with run_utils.flag_errors("--base-model", args.base_model, "cannot load a tokenizer and model config"):
+            tokenizer, config = load_tokenizer(args.base_model), config_without_dropout(args.base_model)
+        run_utils.check_base_model(args, tokenizer, config)
+        truncate_token_id(tokenizer, task)
+    else:
+        run_utils.NOT_CHECKED.append("what needs --base-model's tokenizer: --task.truncate-token, the lengths against "
+                                     "its positions, the label file's token ids, that the query texts yield queries")  # fmt: skip
+    if args.labels.source == "file" and run_utils.available(
         args.label_dataset, "--label-dataset", dry_run, local=os.path.isfile(args.label_dataset) or local_labels
-    )
-    query_texts = run_utils.available(task.query_dataset, "--task.query-dataset", dry_run)
-    if not model:
-        return None, None, None
-    with run_utils.flag_errors("--base-model", args.base_model, "cannot load a tokenizer and model config"):
-        tokenizer, config = load_tokenizer(args.base_model), config_without_dropout(args.base_model)
-    run_utils.require_causal_lm(config, args.base_model, "--base-model")
-    truncate_token_id(tokenizer, task)
-    labels = texts = None
-    if label_file:
+    ):
         labels = load_labels(
             run_utils.hub_file(args.label_dataset_repo, args.label_dataset, "--label-dataset"), tokenizer, args
         )
-    if query_texts:
+    if run_utils.available(task.query_dataset, "--task.query-dataset", dry_run):
         texts = rlhf_data.QueryTexts.of_task(task)
-        QueryStream(texts, tokenizer, task, tokenizer.pad_token_id, args.seed).next_batch(1)  # yields a query
+        if tokenizer is not None:
+            QueryStream(texts, tokenizer, task, tokenizer.pad_token_id, args.seed).next_batch(1)  # yields a query
     return tokenizer, labels, texts
 
 
-def load_labels(path: str, tokenizer, args: Args) -> dict[str, torch.Tensor]:
+def load_labels(path: str, tokenizer, args: Args) -> Optional[dict[str, torch.Tensor]]:
     """A best-of-4 label file as tensors (OAI's books and summarization files alike: queries of --task.query-length,
-    bare, without prefix/suffix), checked by rlhf_data.read_label_records."""
-    vocab_size = len(tokenizer) - (1 if tokenizer.pad_token == "[PAD]" else 0)  # our added pad is not in the files
+    bare, without prefix/suffix), checked by rlhf_data.read_label_records; without a tokenizer (a --dry-run of a Hub
+    --base-model), checked but for the token ids' vocabulary, and None."""
+    # our added pad is not in the files
+    vocab_size = None if tokenizer is None else len(tokenizer) - (1 if tokenizer.pad_token == "[PAD]" else 0)
     lengths = {"query": args.task.query_length, **{f"sample{i}": args.task.response_length for i in range(NUM_SAMPLES)}}
-    records = rlhf_data.read_label_records(
-        path, lengths, vocab_size, (OPENAI_PAD_ID, tokenizer.pad_token_id), NUM_SAMPLES
-    )
+    pad_ids = (OPENAI_PAD_ID,) if tokenizer is None else (OPENAI_PAD_ID, tokenizer.pad_token_id)
+    records = rlhf_data.read_label_records(path, lengths, vocab_size, pad_ids, NUM_SAMPLES)
     if len(records) < args.labels.num_train:  # OAI reads num_train records; the held-out rest is ours
         run_utils.fail(
             f"--label-dataset {path}: {len(records)} records, fewer than --labels.num-train {args.labels.num_train}"
         )
+    if tokenizer is None:
+        return None
     queries = torch.tensor([r["query"] for r in records])  # (N, C)
     samples = torch.tensor([[r[f"sample{i}"] for i in range(NUM_SAMPLES)] for r in records])  # (N, 4, T)
     # OAI's files pad with OPENAI_PAD_ID: our pad id instead

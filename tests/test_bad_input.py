@@ -12,6 +12,8 @@ import shutil
 import subprocess
 import time
 import traceback
+from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 
@@ -99,17 +101,25 @@ def test_query_datasets_that_yield_no_query(tiny_assets, tmp_path, script, conte
 
 
 def make_fake_reward_model(tiny_assets, tmp_path, fingerprint=None):
-    """A reward_model/ directory whose metadata is all that the early checks read."""
-    import run_utils
+    """A reward_model/ directory as the early checks read it: its files whole, the tiny model's backbone (its LM
+    weights: the checks read the headers only), a zero head of its width."""
+    import torch
+    from safetensors.torch import save_file
+
     import train_policy_accelerate as P
 
     directory = tmp_path / "rm"
     directory.mkdir(exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(tiny_assets["model"] / name, directory / name)
     tokenizer = P.load_tokenizer(str(tiny_assets["model"]))
     info = {"base_model": "tiny", "pad_id": tokenizer.pad_token_id,
             "tokenizer_fingerprint": fingerprint or run_utils.tokenizer_fingerprint(tokenizer)}  # fmt: skip
     (directory / "reward_model.json").write_text(json.dumps(info))
-    (directory / "reward_head.safetensors").write_bytes(b"")  # the early checks look only for it
+    width = json.loads((directory / "config.json").read_text())["n_embd"]
+    head = {"scalar_head.weight": torch.zeros(1, width), "scalar_head.bias": torch.zeros(1),
+            "reward_gain": torch.tensor(1.0), "reward_bias": torch.tensor(0.0)}  # fmt: skip
+    save_file(head, directory / "reward_head.safetensors")
     return directory
 
 
@@ -236,3 +246,350 @@ def test_unwritable_output_directory(tiny_assets, tmp_path, script):
     result = run_script(script, *flags)
     check_one_line_error(result, "--output-dir", "not writable")
     assert time.time() - start < FAST
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The six causes of the bad-inputs review (../shared/notes/bad-inputs-review.md): each test fails on the code before
+# it. 1. lost work: nothing is removed before every input is checked, and no script touches another script's run
+
+
+def finished_policy_run(directory, args_json: dict) -> dict:
+    """A finished policy run's files (what --overwrite would replace), their content returned to compare after."""
+    (directory / "policy").mkdir(parents=True)
+    files = {"args.json": json.dumps(args_json), "metrics.jsonl": '{"update": 1}\n', "samples.jsonl": "{}\n",
+             "policy/config.json": "{}"}  # fmt: skip
+    for name, text in files.items():
+        (directory / name).write_text(text)
+    return files
+
+
+def test_overwrite_removes_nothing_when_the_reward_model_is_broken(tiny_assets, tmp_path):
+    """G7: --overwrite of a finished run with a reward model whose config.json is cut short: one line, before the old
+    run's logs go (they went first, and its policy/ stayed beside the new args.json)."""
+    reward_model = make_fake_reward_model(tiny_assets, tmp_path)
+    (reward_model / "config.json").write_text('{"model_type": "gpt2", ')
+    files = finished_policy_run(tmp_path / "out", {"ppo": {}})
+    flags = ["--base-model", str(tiny_assets["model"]), "--rewards.trained-model", str(reward_model),
+             "--task.query-dataset", str(tiny_assets["corpus"]), "--output-dir", str(tmp_path / "out"), "--overwrite",
+             "--ppo.total-episodes", "16", "--ppo.batch-size", "16", "--ppo.whitening-ranks", "1"]  # fmt: skip
+    check_one_line_error(run_in_process(POLICY, *flags), "--rewards.trained-model", "config.json")
+    assert {name: (tmp_path / "out" / name).read_text() for name in files} == files
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["plain", "overwrite"])
+def test_a_script_never_writes_into_the_other_scripts_run(tiny_assets, tmp_path, overwrite):
+    """G8: a policy run pointed at a finished reward run's directory was told it holds "an unfinished run", and with
+    --overwrite replaced the reward run's args.json and logs."""
+    run = tmp_path / "reward-run"
+    (run / "reward_model").mkdir(parents=True)
+    files = {"args.json": json.dumps({"labels": {}}), "metrics.jsonl": '{"step": 1}\n', "samples.jsonl": "{}\n"}
+    for name, text in files.items():
+        (run / name).write_text(text)
+    flags = ["--base-model", str(tiny_assets["model"]), "--rewards.trained-model", str(make_fake_reward_model(
+             tiny_assets, tmp_path)), "--task.query-dataset", str(tiny_assets["corpus"]), "--output-dir", str(run),
+             "--ppo.total-episodes", "16", "--ppo.batch-size", "16", "--ppo.whitening-ranks", "1",
+             *(["--overwrite"] if overwrite else [])]  # fmt: skip
+    check_one_line_error(run_in_process(POLICY, *flags), "--output-dir", "holds a reward-model run")
+    assert {name: (run / name).read_text() for name in files} == files
+    policy_run = tmp_path / "policy-run"
+    finished_policy_run(policy_run, {"ppo": {}})
+    flags = ["--base-model", str(tiny_assets["model"]), "--task.query-dataset", str(tiny_assets["corpus"]),
+             "--output-dir", str(policy_run), "--overwrite", *script_inputs(REWARD, tiny_assets, tmp_path)]  # fmt: skip
+    check_one_line_error(run_in_process(REWARD, *flags), "--output-dir", "holds a policy run")
+    assert (policy_run / "metrics.jsonl").read_text() == '{"update": 1}\n'
+
+
+def test_quickstart_overwrite_checks_the_inputs_before_removing_anything(tmp_path, capsys):
+    """I4: `quickstart.py --overwrite --base-model MISSING` deleted the finished quick start, then failed."""
+    import quickstart
+
+    (tmp_path / "policy").mkdir()
+    for name in ("summary.json", "quickstart_args.json", "policy/metrics.jsonl"):
+        (tmp_path / name).write_text("{}")
+    with pytest.raises(SystemExit) as failure:
+        quickstart.main(["--output-dir", str(tmp_path), "--overwrite", "--base-model", str(tmp_path / "nope")])
+    assert str(failure.value) == f"quickstart: --base-model {tmp_path / 'nope'}: no such file or directory"
+    assert all((tmp_path / name).read_text() == "{}" for name in ("summary.json", "policy/metrics.jsonl"))
+
+
+# 2. a dry run checks every local input whatever --base-model is, and says what it could not check
+
+
+@pytest.mark.parametrize(
+    "script, flags, words",
+    [
+        (POLICY, ["--rewards.trained-model", "/nonexistent"], ["--rewards.trained-model", "no such directory"]),
+        (POLICY, ["--rewards.function", "nosuchmod:score"], ["--rewards.function", "cannot import it"]),
+        (POLICY, ["--rewards.function", "sentiment", "--task.query-dataset", "QUERIES"], ["line 2 has no field"]),
+        (REWARD, ["--label-dataset", "LABELS", "--task.query-dataset", "QUERIES"], ["--label-dataset", "JSON"]),
+    ],
+    ids=["reward-model", "reward-function", "query-file", "label-file"],
+)
+def test_a_dry_run_with_a_hub_base_model_checks_the_local_inputs(tmp_path, script, flags, words):
+    """A1-A4: a dry run with a Hub name for --base-model returned before it looked at the reward model,
+    --rewards.function, the query file or the label file."""
+    (tmp_path / "queries.jsonl").write_text('{"text": "A fine day."}\n{"txt": "x"}\n')
+    (tmp_path / "labels.json").write_text(json.dumps([label_record()] * 4)[:-30])
+    paths = {"QUERIES": str(tmp_path / "queries.jsonl"), "LABELS": str(tmp_path / "labels.json")}
+    flags = [paths.get(flag, flag) for flag in flags]
+    result = run_in_process(script, "--base-model", "gpt2", "--output-dir", str(tmp_path / "out"), "--dry-run", *flags)
+    check_one_line_error(result, *words)
+
+
+def test_a_dry_run_names_what_needs_the_hub_base_models_tokenizer(tiny_assets, tmp_path, capsys):
+    """A5: a reward model of another tokenizer can't be told without --base-model's tokenizer: the dry run says so."""
+    import train_policy_accelerate as P
+
+    flags = ["--base-model", "gpt2", "--rewards.trained-model", str(make_fake_reward_model(tiny_assets, tmp_path)),
+             "--task.query-dataset", str(tiny_assets["corpus"]), "--output-dir", str(tmp_path / "out"), "--dry-run"]  # fmt: skip
+    P.main(run_utils.task_cli(P.task_defaults, flags))
+    (unchecked,) = [line for line in json.loads(capsys.readouterr().out.splitlines()[-1])["not_checked"]
+                    if "tokenizer" in line]  # fmt: skip
+    assert "--rewards.trained-model's vocabulary" in unchecked and "yield queries" in unchecked
+
+
+@pytest.mark.parametrize("script, marker", [(REWARD, "reward_model"), (POLICY, "policy")])
+def test_a_dry_run_looks_at_the_output_directory(tiny_assets, tmp_path, script, marker):
+    """G2: a dry run passed an --output-dir that the run then refused."""
+    (tmp_path / "out" / marker).mkdir(parents=True)
+    flags = ["--base-model", str(tiny_assets["model"]), "--task.query-dataset", str(tiny_assets["corpus"]),
+             "--output-dir", str(tmp_path / "out"), "--dry-run", *script_inputs(script, tiny_assets, tmp_path)]  # fmt: skip
+    check_one_line_error(run_in_process(script, *flags), "--output-dir", "finished run")
+
+
+# 3. every numeric flag has its range checked, one line naming the flag and the range
+
+
+def numeric_fields(config, prefix: str = "") -> list[str]:
+    """The int and float flags of an Args dataclass, recursively (the hidden derived sizes left out)."""
+    import dataclasses
+    import typing
+
+    names = []
+    for field in dataclasses.fields(config):
+        value, hints = getattr(config, field.name), typing.get_type_hints(type(config), include_extras=True)
+        if dataclasses.is_dataclass(value):
+            names += numeric_fields(value, f"{prefix}{field.name}.")
+        elif "Suppress" not in str(hints[field.name]) and any(
+            kind in (int, float) for kind in (hints[field.name], *typing.get_args(hints[field.name]))
+        ):
+            names.append(prefix + field.name)
+    return names
+
+
+@pytest.mark.parametrize("script", [REWARD, POLICY])
+def test_every_numeric_flag_has_a_range(script):
+    module = importlib.import_module(script.removesuffix(".py"))
+    table = getattr(module, "POLICY_FLAG_RANGES" if script == POLICY else "REWARD_FLAG_RANGES")
+    ranges = {**run_utils.RUN_RANGES, **run_utils.TASK_RANGES, **table}
+    names = numeric_fields(module.Args())
+    assert "ppo.nminibatches" in names or "labels.labeler_beta" in names
+    assert sorted(set(names) - set(ranges)) == [] and sorted(set(ranges) - set(names)) == []
+
+
+RANGE_CASES = [
+    (POLICY, ["--task.temperature", "0"], "--task.temperature must be positive, got 0.0"),  # F5
+    (REWARD, ["--task.temperature", "-0.7"], "--task.temperature must be positive, got -0.7"),  # F6
+    (POLICY, ["--rewards.kl-coef", "-0.5"], "--rewards.kl-coef must be >= 0, got -0.5"),  # F9
+    (POLICY, ["--ppo.gradient-accumulation-steps", "0"], "--ppo.gradient-accumulation-steps must be positive, got 0"),
+    (REWARD, ["--gradient-accumulation-steps", "0"], "--gradient-accumulation-steps must be positive, got 0"),  # F10
+    (POLICY, ["--ppo.nminibatches", "0"], "--ppo.nminibatches must be positive, got 0"),  # F11
+    (POLICY, ["--ppo.nminibatches", "-1"], "--ppo.nminibatches must be positive, got -1"),  # F12
+    (REWARD, ["--gradient-accumulation-steps", "-2"], "--gradient-accumulation-steps must be positive, got -2"),  # F13
+    (POLICY, ["--ppo.total-episodes", "8"], "--ppo.total-episodes 8 is less than one update of --ppo.batch-size 16"),
+    (POLICY, ["--ppo.gamma", "1.5"], "--ppo.gamma must be in [0, 1], got 1.5"),
+    (POLICY, ["--ppo.lam", "-0.1"], "--ppo.lam must be in [0, 1], got -0.1"),
+    (POLICY, ["--ppo.cliprange", "0"], "--ppo.cliprange must be positive, got 0.0"),
+    (POLICY, ["--ppo.eps", "nan"], "--ppo.eps must be positive, got nan"),
+    (POLICY, ["--rewards.adaptive-kl.target", "inf"], "--rewards.adaptive-kl.target must be positive, got inf"),
+    (POLICY, ["--task.penalty-reward-value", "-inf"], "--task.penalty-reward-value must be a finite number, got -inf"),
+    (REWARD, ["--labels.labeler-beta", "-1"], "--labels.labeler-beta must be >= 0, got -1.0"),
+    (REWARD, ["--seed", "-1"], "--seed must be in [0, 2**32), got -1"),
+    (REWARD, ["--eval-batch-size", "0"], "--eval-batch-size must be positive, got 0"),
+]
+
+
+@pytest.mark.parametrize("script, flags, message", RANGE_CASES, ids=[" ".join(c[1]) for c in RANGE_CASES])
+def test_numeric_flags_out_of_range_are_one_line_naming_the_flag_and_range(script, flags, message, monkeypatch):
+    """F5-F16: temperatures <= 0, a negative KL coefficient, 0 or negative minibatches or accumulation steps (a
+    ZeroDivisionError, the wrong flag named, a traceback after minutes), fewer episodes than a batch."""
+    module = importlib.import_module(script.removesuffix(".py"))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    base = ["--rewards.function", "sentiment", "--ppo.batch-size", "16"] if script == POLICY else []
+    with pytest.raises(SystemExit) as failure:
+        module.validate_args(run_utils.task_cli(module.task_defaults, [*base, *flags]))
+    assert str(failure.value) == f"error: {message}"
+
+
+@pytest.mark.parametrize("script", [REWARD, POLICY])
+def test_a_query_and_response_longer_than_the_models_positions(tiny_assets, tmp_path, script):
+    """F20: 250 + 12 tokens on a model of 256 positions passed the dry run, then an IndexError in the first rollout."""
+    flags = ["--base-model", str(tiny_assets["model"]), "--task.query-dataset", str(tiny_assets["corpus"]),
+             "--task.query-length", "250", "--task.response-length", "12", "--task.truncate-after", "6",
+             "--output-dir", str(tmp_path / "out"), "--dry-run", *script_inputs(script, tiny_assets, tmp_path)]  # fmt: skip
+    if script == REWARD:
+        flags += ["--labels.source", "sentiment"]
+    last = check_one_line_error(run_in_process(script, *flags), "--task.query-length (250 tokens)", "256 positions")
+    assert "--base-model" in last
+
+
+# 4. files checked by their content where a bad one would fail later
+
+
+def damaged_reward_model(tiny_assets, tmp_path, damage: str):
+    reward_model = make_fake_reward_model(tiny_assets, tmp_path)
+    name, content = {"reward_model.json": ("reward_model.json", b"not json{"),
+                     "config.json": ("config.json", b'{"model_type": "gpt2", "n_embd": '),
+                     "model.safetensors": ("model.safetensors", None),
+                     "reward_head.safetensors": ("reward_head.safetensors", None)}[damage]  # fmt: skip
+    data = (reward_model / name).read_bytes()
+    (reward_model / name).write_bytes(content if content is not None else data[: len(data) - 100])
+    return reward_model
+
+
+@pytest.mark.parametrize("damage", ["reward_model.json", "config.json", "model.safetensors", "reward_head.safetensors"])
+def test_a_damaged_reward_model_fails_the_dry_run(tiny_assets, tmp_path, damage):
+    """B6-B9: a reward_model.json that is not JSON (a traceback), a broken config.json or weights file (passed the dry
+    run, failed after the policy and the reference had loaded)."""
+    reward_model = damaged_reward_model(tiny_assets, tmp_path, damage)
+    flags = ["--base-model", str(tiny_assets["model"]), "--rewards.trained-model", str(reward_model),
+             "--task.query-dataset", str(tiny_assets["corpus"]), "--output-dir", str(tmp_path / "out"), "--dry-run"]  # fmt: skip
+    check_one_line_error(run_in_process(POLICY, *flags), "--rewards.trained-model", damage)
+
+
+@pytest.mark.parametrize("damage", ["state.json", "pytorch_model.bin"])
+def test_resume_with_a_damaged_checkpoint_is_one_line(tiny_assets, tmp_path, damage):
+    """G11, G12: a checkpoint cut short gave a JSONDecodeError or an OSError traceback (the older checkpoint it falls
+    back to: tests/test_resume.py)."""
+    import torch
+
+    import train_policy_accelerate as P
+
+    output_dir = tmp_path / "out"
+    flags = ["--base-model", str(tiny_assets["model"]), "--rewards.trained-model", str(make_fake_reward_model(
+             tiny_assets, tmp_path)), "--task.query-dataset", str(tiny_assets["corpus"]), "--output-dir",
+             str(output_dir), "--ppo.total-episodes", "32", "--ppo.batch-size", "16", "--ppo.whitening-ranks", "1"]  # fmt: skip
+    args = P.validate_args(run_utils.task_cli(P.task_defaults, flags))
+    checkpoint = output_dir / "checkpoints" / "step-00000001"
+    checkpoint.mkdir(parents=True)
+    (output_dir / "args.json").write_text(json.dumps(asdict(args)))
+    (output_dir / "metrics.jsonl").write_text('{"update": 1}\n')
+    state = {"format": run_utils.CHECKPOINT_FORMAT, "step": 1, "world_size": 1, "elapsed": 1.0, "kl_coef": 0.15,
+             "processes": [{}]}  # fmt: skip
+    (checkpoint / "state.json").write_text(json.dumps(state)[: 40 if damage == "state.json" else None])
+    torch.save({"x": torch.zeros(100)}, checkpoint / "pytorch_model.bin")
+    if damage == "pytorch_model.bin":
+        (checkpoint / damage).write_bytes((checkpoint / damage).read_bytes()[:500])
+    last = check_one_line_error(run_in_process(POLICY, *flags, "--resume"), "--resume", damage)
+    assert "--overwrite" in last and (output_dir / "metrics.jsonl").read_text() == '{"update": 1}\n'
+
+
+# 5. resume by path: a trailing slash, a moved run directory (a moved run resumed end to end: tests/test_resume.py)
+
+
+def test_resume_compares_paths_by_the_file_they_name(tiny_assets, tmp_path):
+    """G13: `--output-dir runs/x/` or a moved run directory was refused ("--output-dir differ from args.json")."""
+    import train_policy_accelerate as P
+
+    first = tmp_path / "first"
+    first.mkdir()
+    flags = ["--base-model", str(tiny_assets["model"]), "--rewards.function", "sentiment",
+             "--task.query-dataset", str(tiny_assets["corpus"])]  # fmt: skip
+    args = P.validate_args(run_utils.task_cli(P.task_defaults, [*flags, "--output-dir", str(first)]))
+    (first / "args.json").write_text(json.dumps(asdict(args)))
+    moved = tmp_path / "moved"
+    shutil.copytree(first, moved)
+    may_change = run_utils.RESUME_MAY_CHANGE | P.RESUME_MAY_CHANGE
+    for directory, corpus in ((f"{first}/", tiny_assets["corpus"]), (str(moved), f"{tiny_assets['corpus'].parent}/./"
+                                                                    f"{tiny_assets['corpus'].name}")):  # fmt: skip
+        again = run_utils.task_cli(P.task_defaults, [*flags, "--output-dir", directory, "--task.query-dataset",
+                                                     str(corpus), "--resume"])  # fmt: skip
+        run_utils.check_resume_args(Path(directory), P.validate_args(again), may_change)  # no error
+    other = run_utils.task_cli(P.task_defaults, [*flags, "--output-dir", str(moved), "--task.query-dataset",
+                                                 str(tmp_path / "other.txt"), "--resume"])  # fmt: skip
+    with pytest.raises(SystemExit, match="--task.query-dataset differ"):
+        run_utils.check_resume_args(moved, P.validate_args(other), may_change)
+
+
+# 6. the readers: the right record named, texts that are not text refused, a reward callable's scores, --eval-queries
+
+
+def test_a_float_token_id_is_reported_in_its_record(reward_base, tmp_path):
+    """D9: a float in record 4 was reported as record 0's first (valid) token, np.float64(1348.0)."""
+    records = [label_record() for _ in range(40)]
+    records[4]["sample2"][3] = 1.5
+    (tmp_path / "labels.json").write_text(json.dumps(records))
+    last = check_one_line_error(run_in_process(REWARD, *reward_base(tmp_path / "labels.json"), "--dry-run"))
+    assert last.endswith("record 4: 'sample2' has token id 1.5, not an integer"), last
+
+
+@pytest.mark.parametrize(
+    "script, text, shown", [(REWARD, "null", "null"), (POLICY, "1", "1"), (POLICY, '["a"]', '["a"]')]
+)
+def test_query_texts_that_are_not_text_are_refused_naming_the_record(tiny_assets, tmp_path, script, text, shown):
+    """E3: null or numeric query texts became the strings "None", "1", ... and trained."""
+    queries = tmp_path / "queries.jsonl"
+    queries.write_text('{"text": "A fine day. And more."}\n\n{"text": ' + text + "}\n")
+    flags = ["--base-model", str(tiny_assets["model"]), "--task.query-dataset", str(queries), "--output-dir",
+             str(tmp_path / "out"), "--dry-run", *script_inputs(script, tiny_assets, tmp_path)]  # fmt: skip
+    last = check_one_line_error(run_in_process(script, *flags), "--task.query-dataset", str(queries))
+    assert last.endswith(f"line 3: 'text' is {shown}, not a text"), last
+
+
+@pytest.mark.parametrize(
+    "content, where",
+    [('{"text": "a"}\n' * 5 + "not json\n", "(line 6: Expecting value"), ("[" + '{"text": "a"},\n' * 3, "line 4")],
+    ids=["json-lines", "json-list"],
+)
+def test_bad_json_in_a_query_file_names_its_line(tmp_path, content, where):
+    """E8: bad JSON on line 6 of a .jsonl was reported at line 1."""
+    import rlhf_data
+
+    path = tmp_path / ("queries.jsonl" if content[0] == "{" else "queries.json")
+    path.write_text(content)
+    with pytest.raises(SystemExit) as failure:
+        rlhf_data.QueryTexts(str(path), None, "text")
+    assert where in str(failure.value) and "\n" not in str(failure.value), failure.value
+
+
+def test_passage_rows_beyond_the_file_and_an_empty_directory_name_the_cause(tmp_path):
+    """E12: --task.passage-rows 100 on 20 rows blamed the file alone; E9: an empty directory went to `datasets`."""
+    import rlhf_data
+
+    (tmp_path / "rows.txt").write_text("A sentence.\n" * 20)
+    with pytest.raises(SystemExit, match=r"has 20 rows, fewer than one text of --task.passage-rows 100$"):
+        rlhf_data.QueryTexts(str(tmp_path / "rows.txt"), None, "text", rows_per_text=100)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match=r"^error: --task.query-dataset '.*empty': an empty directory$"):
+        rlhf_data.QueryTexts(str(tmp_path / "empty"), None, "text")
+
+
+def test_a_reward_function_returning_words_is_one_line_naming_the_flag(tiny_assets, tmp_path, monkeypatch):
+    """C3: a callable returning strings gave a ValueError traceback in the first update; now its probe call at the
+    dry run says so, and so would any later call."""
+    import torch
+
+    import train_policy_accelerate as P
+
+    (tmp_path / "badrew.py").write_text("def words(queries, responses):\n    return ['good'] * len(responses)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    flags = ["--base-model", str(tiny_assets["model"]), "--rewards.function", "badrew:words", "--task.query-dataset",
+             str(tiny_assets["corpus"]), "--output-dir", str(tmp_path / "out"), "--dry-run"]  # fmt: skip
+    check_one_line_error(run_in_process(POLICY, *flags), "--rewards.function badrew:words: returned scores that are "
+                         "not numbers")  # fmt: skip
+    function = P.RewardFunction("badrew:words", P.load_tokenizer(str(tiny_assets["model"])))
+    with pytest.raises(SystemExit) as failure:
+        function(torch.tensor([[15496], [995]]), torch.tensor([[13], [11]]))
+    assert str(failure.value).startswith("error: --rewards.function badrew:words: returned scores that are not numbers")
+
+
+def test_more_held_out_queries_than_the_corpus_yields_names_eval_queries_before_any_model_loads(tiny_assets, tmp_path):
+    """E13: --eval-queries 64 on a 20-text corpus passed the dry run, then blamed --task.query-dataset after the models
+    loaded and the update-0 evaluation ran."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(line + "\n" for line in tiny_assets["corpus"].read_text().splitlines()[:20]))
+    flags = ["--base-model", str(tiny_assets["model"]), "--rewards.function", "sentiment", "--task.query-dataset",
+             str(corpus), "--task.passage-rows", "1", "--task.gold-labeler", "sentiment", "--eval-queries", "64",
+             "--output-dir", str(tmp_path / "out"), "--dry-run"]  # fmt: skip
+    last = check_one_line_error(run_in_process(POLICY, *flags), "--eval-queries 64", "20 texts")
+    assert "lower --eval-queries" in last

@@ -240,12 +240,16 @@ def test_a_dry_run_with_hub_inputs_fetches_nothing_and_says_what_it_did_not_chec
     R.main(tyro.cli(R.Args, args=["--dry-run"]))
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["dry_run"] == "ok" and report["not_checked"] == [
-        "--base-model gpt2 (on the Hub)", "--label-dataset sentiment/offline_5k.json (on the Hub)",
-        "--task.query-dataset bookcorpus/bookcorpus (on the Hub)",
+        "--base-model gpt2 (on the Hub)",
+        "what needs --base-model's tokenizer: --task.truncate-token, the lengths against its positions, the label "
+        "file's token ids, that the query texts yield queries",
+        "--label-dataset sentiment/offline_5k.json (on the Hub)", "--task.query-dataset bookcorpus/bookcorpus (on the Hub)",
     ]  # fmt: skip
-    P.main(tyro.cli(P.Args, args=["--dry-run", "--rewards.trained-model", "x"]))
+    P.main(tyro.cli(P.Args, args=["--dry-run", "--rewards.function", "sentiment"]))
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["not_checked"] == [
         "--base-model gpt2 (on the Hub)",
+        "what needs --base-model's tokenizer: --task.truncate-token, the lengths against the models' positions, that "
+        "the query texts yield queries",
         "--task.query-dataset bookcorpus/bookcorpus (on the Hub)",
     ]

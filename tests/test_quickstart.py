@@ -169,7 +169,7 @@ def test_overwrite_never_deletes_the_reward_model_it_was_asked_to_use(tmp_path, 
      ["--reward-batch-size", "0"], ["--reward-lr", "0"], ["--normalize-samples", "0"], ["--query-length", "0"],
      ["--ppo-batch-size", "0"], ["--ppo-batch-size", "4"], ["--ppo-epochs", "0"], ["--ppo-lr", "0"],
      ["--eval-queries", "0"], ["--eval-samples-per-query", "0"], ["--threads", "0"], ["--bootstrap-resamples", "0"],
-     ["--eval-every", "-1"], ["--reward-function", "sentiment", "--reward-model", "elsewhere"]],
+     ["--eval-every", "-1"], ["--table-rows", "0"], ["--reward-function", "sentiment", "--reward-model", "elsewhere"]],
 )  # fmt: skip
 def test_inconsistent_sizes_fail_before_any_work(flags, tmp_path, capsys):
     """The quick start's own flags are checked by the quick start, the rest by the training scripts' own checks on

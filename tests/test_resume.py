@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -140,6 +141,22 @@ def test_reward_resume_after_sigkill_is_bit_identical(tiny_assets, reward_refere
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stdout
     assert_same_run(output_dir, reward_reference, "reward_model/model.safetensors")
+    assert_same_run(output_dir, reward_reference, "reward_model/reward_head.safetensors")
+
+
+def test_a_moved_run_resumes_by_path_from_its_newest_sound_checkpoint(tiny_assets, reward_reference, tmp_path):
+    """The run directory moved and given with a trailing slash (a path, not a string: args.json holds the old one),
+    and its newest checkpoint cut short after it was written: --resume says so, goes on from the one before it, and
+    finishes as the uninterrupted run did."""
+    output_dir = tmp_path / "moved"
+    shutil.copytree(reward_reference, output_dir)
+    shutil.rmtree(output_dir / "reward_model")  # as if killed after its last checkpoint
+    state = output_dir / "checkpoints" / "step-00000008" / "state.json"
+    state.write_text(state.read_text()[:100])
+    result = run_script(REWARD, *reward_flags(tiny_assets, f"{output_dir}/", "--resume"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"{output_dir}/checkpoints/step-00000008 is damaged (state.json: " in result.stdout.replace("\n", "")
+    assert "resumed from" in result.stdout and "step-00000006 at step 7" in result.stdout.replace("\n", "")
     assert_same_run(output_dir, reward_reference, "reward_model/reward_head.safetensors")
 
 

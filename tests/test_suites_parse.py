@@ -1,6 +1,6 @@
 """Every training command of every benchmark suite parses and passes the scripts' flag validation with the number
-of processes its launcher would start (the same code path as `--dry-run`, run in-process: importing torch once
-instead of once per command)."""
+of processes its launcher would start (what `--dry-run` runs before it reads the inputs, which the suite makes as it
+goes, e.g. its reward models; run in-process: importing torch once instead of once per command)."""
 
 import json
 import os
@@ -31,15 +31,15 @@ def test_suite_command_parses_and_validates(suite, index, argv, monkeypatch, cap
     module = SCRIPTS[Path(script).name]
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     args = run_utils.task_cli(module.task_defaults, [*flags, "--dry-run"])  # as the script's last line parses
-    module.main(args)  # validates every flag and exits before loading anything
+    run_utils.print_dry_run(module.validate_args(args), module.DRY_RUN_SIZES)  # every flag's check, the dry run's line
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["dry_run"] == "ok" and report["world_size"] == world_size
 
 
 DRY_RUNS = {
     "train_reward_accelerate.py": (["--dry-run"], ["--dry-run", "--batch-size", "30"]),
-    "train_policy_accelerate.py": (["--dry-run", "--rewards.trained-model", "x"],
-                                   ["--dry-run", "--rewards.trained-model", "x", "--ppo.batch-size", "30"]),
+    "train_policy_accelerate.py": (["--dry-run", "--rewards.function", "sentiment"],
+                                   ["--dry-run", "--rewards.function", "sentiment", "--ppo.batch-size", "30"]),
 }  # fmt: skip
 
 
