@@ -12,6 +12,7 @@ import atexit  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
+import re  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -187,6 +188,16 @@ def run_script(script: str, *flags: str, nproc: int = 1, timeout: int = 600, env
     if result.returncode != 0:
         print(result.stdout[-5000:], result.stderr[-5000:])
     return result
+
+
+def failure(result: subprocess.CompletedProcess, tail: int = 3000) -> str:
+    """What a failed run said: its lines that name the cause (a `replay.py:` check, a run_utils.fail `error:`, the
+    last exception) first, then the tail of its stderr. Under torchrun a process's own message is followed by the
+    launcher's long report, which would push it out of a short tail."""
+    lines = result.stderr.splitlines()
+    causes = [line for line in lines if line.startswith(("replay.py:", "error:"))]
+    exceptions = [line for line in lines if re.match(r"^\w+(Error|Exception): ", line)]
+    return "\n".join(dict.fromkeys(causes + exceptions[-1:])) + "\n...\n" + result.stderr[-tail:]
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -22,7 +22,6 @@ from tests.conftest import REPO
 from tests.fetch import NODE_STACK  # the GPU node's preinstalled stack (tests/fetch.py downloads it before the tests)
 
 
-
 def test_every_module_level_import_of_the_check_path_is_in_the_node_stack_or_the_bundle():
     """The scripts, run_utils, rlhf_data, quickstart_assets (its tokenizer builder) and throughput.py import at module
     level only the standard library, the node's stack and the bundle's tyro: the optional packages (datasets among

@@ -23,7 +23,15 @@ import torch
 
 from benchmark.openai import side_by_side as S
 from benchmark.openai.bridge import reward_model_arrays, reward_model_from_openai, trunk_from_openai, trunk_to_openai
-from tests.conftest import REPO, read_jsonl, run_script, script_command, script_environment, tiny_gpt2_from_cache
+from tests.conftest import (
+    REPO,
+    failure,
+    read_jsonl,
+    run_script,
+    script_command,
+    script_environment,
+    tiny_gpt2_from_cache,
+)
 from tests.tiny_task import synthetic_sentences
 
 REFERENCE = REPO / "benchmark" / "openai" / "side_by_side_reference"
@@ -147,7 +155,7 @@ def run_reward(assets: Path, ranks: int, out: Path):
     flags = [*S.our_reward_flags(assets), "--output-dir", str(out)]
     samples = REFERENCE / f"reward_ranks_{ranks}" / "samples.npz"
     result = run_script("benchmark.openai.replay", "train_reward_accelerate.py", str(samples), *flags, nproc=ranks)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure(result)
     return read_jsonl(out / "metrics.jsonl")
 
 
@@ -207,7 +215,7 @@ def run_policy(assets: Path, name: str, updates: int, ranks: int, nminibatches: 
     flags = [*S.our_policy_flags(assets, updates, nminibatches=nminibatches, ranks=ranks), "--output-dir", str(out)]
     replay = REFERENCE / name / "replay.npz"
     result = run_script("benchmark.openai.replay", "train_policy_accelerate.py", str(replay), *flags, nproc=ranks)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure(result)
     return {row["update"]: row for row in read_jsonl(out / "metrics.jsonl") if "objective/kl" in row}
 
 
@@ -251,7 +259,7 @@ def reward_scenario_rows(assets: Path, name: str, out: Path) -> list[dict]:
     flags = [*S.our_reward_flags(assets, scenario=scenario, labels=f"labels_{name}.json"), "--output-dir", str(out)]
     samples = REFERENCE / f"reward_{name}" / "samples.npz"
     result = run_script("benchmark.openai.replay", "train_reward_accelerate.py", str(samples), *flags)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure(result)
     return read_jsonl(out / "metrics.jsonl")
 
 
@@ -284,7 +292,7 @@ def test_policy_scenarios_match_openai(assets, reward_rows, name, tmp_path):
     replay = REFERENCE / reference / "replay.npz"
     command = [*(["--policy-init", str(warm)] if warm else []), "train_policy_accelerate.py", str(replay), *flags]
     result = run_script("benchmark.openai.replay", *command, nproc=ranks)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure(result)
     ours = {row["update"]: row for row in read_jsonl(out / "metrics.jsonl") if "objective/kl" in row}
     check_policy(ours, reference, SCENARIO_RTOL, SCENARIO_ATOL, S.policy_settings(scenario)["batch_size"])
     check_weights(S.policy_arrays(warm or assets / "base", value_head=warm is not None), out / "policy", reference)
