@@ -389,3 +389,22 @@ def test_the_two_slurm_files_share_one_worker_under_ci_run(tmp_path):
     assert len(groups) == 3 and len(nodeids) > 8, nodeids[:5]  # every item carries its group
     assert groups["tests/test_slurm.py"] == groups["tests/test_slurm_two_nodes.py"] == "test_slurm.py"
     assert groups["tests/test_data.py"] == "test_data.py"
+
+
+def test_contributing_names_tests_that_exist():
+    """CONTRIBUTING.md's obligations each name the test that enforces them (`tests/FILE.py::test_name`, then bare
+    `test_name`s of the same file): every one must exist, so that the page cannot drift from the suite."""
+    named = []
+    for line in (REPO / "CONTRIBUTING.md").read_text().splitlines():
+        file = None
+        for match in re.finditer(r"`(?:tests/(\w+\.py))?(?:::)?(test_\w+)?`", line):
+            file = match.group(1) or file
+            if match.group(2) and file:
+                named.append((file, match.group(2)))
+    assert len(named) >= 20
+    missing = []
+    for file, name in named:
+        tests = {getattr(node, "name", "") for node in ast.parse((REPO / "tests" / file).read_text()).body}
+        if name not in tests:
+            missing.append(f"{file}::{name}")
+    assert not missing, missing
