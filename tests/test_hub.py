@@ -360,3 +360,15 @@ def test_the_loopback_guard_stops_and_reports_any_other_address(guard_the_loopba
     ]  # fmt: skip
     guard_the_loopback.reset()  # seen: this test is not to fail for them
     assert loopback.is_loopback("127.0.0.1") and loopback.is_loopback("localhost") and loopback.is_loopback("::1")
+
+
+def test_the_guard_admits_only_the_private_hosts_of_a_tests_own_namespaces(tmp_path, monkeypatch):
+    """$LOOPBACK_GUARD_HOSTS (the hosts file of the namespaces tests/test_slurm_two_nodes.py builds): its names and
+    private addresses count as local; a public address in it, and any name or address not in it, do not."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n10.77.0.2 node1\n8.8.8.8 outside  # public: never admitted\n")
+    assert not loopback.is_loopback("node1")
+    monkeypatch.setenv(loopback.HOSTS_VARIABLE, str(hosts))
+    assert loopback.is_loopback("node1") and loopback.is_loopback("10.77.0.2") and loopback.is_loopback("NODE1")
+    assert not loopback.is_loopback("outside") and not loopback.is_loopback("8.8.8.8")
+    assert not loopback.is_loopback("node2") and not loopback.is_loopback("10.77.0.3")

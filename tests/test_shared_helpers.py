@@ -392,7 +392,7 @@ def test_the_two_slurm_files_share_one_worker_under_ci_run(tmp_path):
 
 
 def test_contributing_names_tests_that_exist():
-    """CONTRIBUTING.md's obligations each name the test that enforces them (`tests/FILE.py::test_name`, then bare
+    """CONTRIBUTING.md's obligations each name the test that enforces them (`tests/<file>.py::test_name`, then bare
     `test_name`s of the same file): every one must exist, so that the page cannot drift from the suite."""
     named = []
     for line in (REPO / "CONTRIBUTING.md").read_text().splitlines():

@@ -31,6 +31,7 @@ from transformers import AutoModel
 
 import train_reward_accelerate
 from tests.conftest import REPO, read_jsonl, run_script
+from tests.loopback import sitecustomize as loopback
 
 CLUSTER_SCRIPT = REPO / "benchmark" / "launch" / "slurm" / "ci_two_nodes.sh"
 LAUNCHER = [sys.executable, "-m", "benchmark.launch.launcher"]  # run from the repository root
@@ -60,8 +61,11 @@ def cluster():
                 f"could not start the two-node cluster (exit {result.returncode}):\n{result.stdout}\n{result.stderr}"
             )
         print(f"two-node slurm started in {time.monotonic() - start:.1f} s: {result.stdout.strip()}")
+        # the jobs (which inherit this environment) may reach the nodes by name: the loopback guard's allowance
+        os.environ[loopback.HOSTS_VARIABLE] = str(directory / "hosts")
         yield directory
     finally:
+        os.environ.pop(loopback.HOSTS_VARIABLE, None)
         stop = subprocess.run(
             ["bash", str(CLUSTER_SCRIPT), "stop", str(directory)], capture_output=True, text=True, timeout=180
         )

@@ -1,5 +1,8 @@
 """Loopback only: no test reaches any address but this machine's own 127.0.0.1 (or ::1, "localhost"; and the
-machine's own host name, which torchrun looks up to name its workers, and the addresses it resolves to).
+machine's own host name, which torchrun looks up to name its workers, and the addresses it resolves to). A test that
+builds its own network namespaces (tests/test_slurm_two_nodes.py) names their hosts file in $LOOPBACK_GUARD_HOSTS: its
+names, which that file answers without a DNS query, and its private addresses, which exist only inside those
+namespaces, count as local too.
 
 tests/conftest.py installs this guard in the pytest process for the whole session, and puts this directory first on
 the PYTHONPATH of every script the tests run, where Python loads it as `sitecustomize` before the script's first line.
@@ -21,6 +24,7 @@ import socket
 import sys
 
 LOG_VARIABLE = "LOOPBACK_GUARD_LOG"
+HOSTS_VARIABLE = "LOOPBACK_GUARD_HOSTS"
 LOCAL_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", socket.gethostname().lower()}
 own_addresses: set[str] = set()  # what this machine's own name resolved to
 blocked: list[str] = []  # what this process tried, in order
@@ -30,13 +34,31 @@ class LeftLoopback(socket.gaierror):
     """A lookup or connection that would leave this machine (an OSError, as the network being down raises)."""
 
 
+def namespace_hosts() -> set[str]:
+    """The names and addresses of $LOOPBACK_GUARD_HOSTS's lines whose address is private (the test's namespaces)."""
+    path = os.environ.get(HOSTS_VARIABLE)
+    if not path or not os.path.isfile(path):
+        return set()
+    local = set()
+    with open(path) as file:
+        for line in file:
+            fields = line.split("#")[0].split()
+            try:
+                private = len(fields) > 1 and ipaddress.ip_address(fields[0]).is_private
+            except ValueError:
+                private = False
+            if private:
+                local.update(field.lower() for field in fields)
+    return local
+
+
 def is_loopback(host) -> bool:
     if host is None:
         return True  # getaddrinfo(None, port): the local host
     if isinstance(host, bytes):
         host = host.decode()
     host = host.strip("[]").lower()
-    if host in LOCAL_NAMES or host in own_addresses:
+    if host in LOCAL_NAMES or host in own_addresses or host in namespace_hosts():
         return True
     try:
         return ipaddress.ip_address(host.split("%")[0]).is_loopback
