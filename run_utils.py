@@ -1,16 +1,17 @@
 """Run tooling for train_reward_accelerate.py and train_policy_accelerate.py: everything a run needs that is not the
 RLHF algorithm, written once (CleanRL's split: its scripts import `cleanrl_utils`).
 
-Here: the tooling flags both scripts inherit (`RunArgs`), one-line errors and input checks, the Hugging Face Hub,
-the output directory and atomic writes, checkpoints and exact resume, SIGTERM / Ctrl-C, metrics (metrics.jsonl,
-TensorBoard, wandb), console and progress, and timing / MFU. The data the scripts read (query texts, label files)
-is rlhf_data.py's. Every tensor operation of the algorithm is in the script that runs it: nothing here defines a
+Here, in sections: the tooling flags both scripts inherit (`RunArgs`); one-line errors and input checks, the Hugging
+Face Hub; the output directory and atomic writes; the launch (processes, DeepSpeed, gradient checkpointing); one run
+(checkpoints and exact resume, SIGTERM / Ctrl-C, metrics to metrics.jsonl, TensorBoard, wandb, console and progress);
+devices, timing / MFU; and the estimated peak memory checked against a GPU's before a run (the estimate itself is
+memory_estimate.py, the formulas of docs/memory.md). The data the scripts read (query texts, label files) is
+rlhf_data.py's. Every tensor operation of the algorithm is in the script that runs it: nothing here defines a
 model, calls `backward()` or `generate()`, or imports the scripts or rlhf_data (tests/test_run_utils.py checks all
 three).
 """
 
 import ctypes
-import functools
 import importlib
 import itertools
 import json
@@ -33,12 +34,15 @@ from urllib.parse import urlparse
 import accelerate.utils.other
 import torch
 import tyro
+from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, gather_object
 from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 from rich.text import Text
 from safetensors import SafetensorError, safe_open
+
+import memory_estimate
 
 CHECKPOINT_FORMAT = 2  # 2: accelerate's save_state layout (1, before it: model.pt / optimizer.pt / processes.pt)
 RUN_LOGS = ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl")  # copied into each checkpoint
@@ -440,6 +444,23 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(vocab.encode()).hexdigest()[:16]
 
 
+def import_callable(spec: str, flag: str):
+    """`module:callable` (the module importable from the working directory or PYTHONPATH), or a one-line error naming
+    `flag`."""
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        fail(f"{flag} {spec!r}: expected module:callable (e.g. my_rewards:score)")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m`: a module next to where the command runs
+    try:
+        function = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as error:
+        fail(f"{flag} {spec!r}: cannot import it ({type(error).__name__}: {error})")
+    if not callable(function):
+        fail(f"{flag} {spec!r}: not callable")
+    return function
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # the output directory, atomic writes
 def write_text_atomic(path: Path, text: str) -> None:
@@ -600,15 +621,13 @@ DEEPSPEED_BROKEN = {"0.19.8": "cannot start a model with 0-dim parameters (the r
 ZERO3_REFUSED = ("DeepSpeed ZeRO-3 partitions every weight, and the scripts read weights whole (the LM head's in each "
                  "sampling step, the unwrapped policy in the rollout): use ZeRO-2 (benchmark/launch/deepspeed_zero2.yaml)"
                  " or no DeepSpeed")  # fmt: skip
-ZERO_BUCKET_VALUES = 50_000_000  # gradients per ZeRO-2 reduction (and weights per all-gather): 191 MiB in fp32, where
-# DeepSpeed's default 5e8 allocates 1.86 GiB whatever the model; NCCL reaches its bandwidth with far smaller messages
 
 
 def check_launch(accelerator, args) -> None:
     """The processes form the run they were launched as, and a DeepSpeed engine keeps OpenAI's math: fp32 weights, no
     gradient clipping (an absent or "auto" value is DeepSpeed's 1.0). DeepSpeed is also given the micro-batch size,
     which accelerate otherwise reads from a prepared dataloader (the scripts prepare none), and ZeRO-2 buckets of
-    ZERO_BUCKET_VALUES where its config sets none. ZeRO-3 is refused."""
+    memory_estimate.ZERO_BUCKET_VALUES where its config sets none. ZeRO-3 is refused."""
     fix = ("add --multi_gpu to `accelerate launch` (implied only with several GPUs per machine) or a --config_file "
            "that sets distributed_type; without GPUs, ACCELERATE_USE_CPU=true")  # fmt: skip
     launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -651,7 +670,7 @@ def check_launch(accelerator, args) -> None:
     zero = config.setdefault("zero_optimization", {})
     for key in ("reduce_bucket_size", "allgather_bucket_size"):  # accelerate's "auto" needs a model with .config
         if zero.get(key, "auto") == "auto":
-            zero[key] = ZERO_BUCKET_VALUES
+            zero[key] = memory_estimate.ZERO_BUCKET_VALUES
 
 
 def checkpoint_problem(directory: Path) -> Optional[str]:
@@ -683,6 +702,15 @@ def sound_checkpoint(checkpoints: list[Path], report) -> Optional[Path]:
         fail(f"--resume: no checkpoint in {checkpoints[0].parent} can be read (the newest: {checkpoints[-1].name} "
              f"{checkpoint_problem(checkpoints[-1])}); start again with --overwrite")  # fmt: skip
     return None
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """--gradient-checkpointing: every decoder layer recomputes its activations in the backward pass (transformers
+    does it in train mode; the scripts' dropout is 0, so train mode changes nothing else)."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24; its default is use_reentrant=False
+        model.activation_checkpointing_enable()
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1035,12 +1063,26 @@ def reduce_metrics(accelerator, means: dict[str, torch.Tensor], spreads: Optiona
     return dict(zip([*means, *spreads, *maxima], mean_values + spread_values + max_values, strict=True))
 
 
+def parameter_spread(accelerator, model) -> float:
+    """max - min over processes of a float64 checksum of all parameters: 0 when every process holds the same model
+    (DDP averages gradients, so any other value means the processes drifted apart)."""
+    checksum = sum(p.detach().double().sum() + p.detach().double().square().sum() for p in model.parameters())
+    checksums = accelerator.gather(checksum.reshape(1))
+    return (checksums.max() - checksums.min()).item()
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # devices, timing, throughput
 def ddp_options() -> list:
     """accelerate's DDP settings for the scripts: gradients as views into DDP's all-reduce buckets (no second copy
     of every gradient: 6 GB at gpt2-xl) and no broadcast of buffers before each forward (the models change none)."""
     return [DistributedDataParallelKwargs(gradient_as_bucket_view=True, broadcast_buffers=False)]
+
+
+def make_accelerator(args, gradient_accumulation_steps: int) -> Accelerator:
+    """The run's Accelerator: the script's micro-batches per optimizer step, --mixed-precision, the DDP settings."""
+    return Accelerator(gradient_accumulation_steps=gradient_accumulation_steps, mixed_precision=args.mixed_precision,
+                       kwargs_handlers=ddp_options())  # fmt: skip
 
 
 def setup_device(accelerator, args) -> torch.device:
@@ -1098,32 +1140,6 @@ def trunk_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters() if id(p) not in skip)
 
 
-def import_callable(spec: str, flag: str):
-    """`module:callable` (the module importable from the working directory or PYTHONPATH), or a one-line error naming
-    `flag`."""
-    module_name, _, name = spec.partition(":")
-    if not module_name or not name:
-        fail(f"{flag} {spec!r}: expected module:callable (e.g. my_rewards:score)")
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as `python -m`: a module next to where the command runs
-    try:
-        function = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as error:
-        fail(f"{flag} {spec!r}: cannot import it ({type(error).__name__}: {error})")
-    if not callable(function):
-        fail(f"{flag} {spec!r}: not callable")
-    return function
-
-
-def enable_gradient_checkpointing(model) -> None:
-    """--gradient-checkpointing: every decoder layer recomputes its activations in the backward pass (transformers
-    does it in train mode; the scripts' dropout is 0, so train mode changes nothing else)."""
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24; its default is use_reentrant=False
-        model.activation_checkpointing_enable()
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
 def forward_flops(lm, tokens: int, lm_head_tokens: int) -> float:
     """Model FLOPs of one forward pass: 2 per trunk parameter and token, plus the LM head (2·d·V) where it is used."""
     head = lm.get_output_embeddings().weight
@@ -1135,167 +1151,13 @@ def mfu(flops: float, seconds: float, peak_tflops: float) -> float:
     return flops / seconds / (peak_tflops * 1e12)
 
 
-def parameter_spread(accelerator, model) -> float:
-    """max - min over processes of a float64 checksum of all parameters: 0 when every process holds the same model
-    (DDP averages gradients, so any other value means the processes drifted apart)."""
-    checksum = sum(p.detach().double().sum() + p.detach().double().square().sum() for p in model.parameters())
-    checksums = accelerator.gather(checksum.reshape(1))
-    return (checksums.max() - checksums.min()).item()
-
-
 # ---------------------------------------------------------------------------------------------------------------------
-# memory estimate: the peak GPU memory of a run per process, before it starts (the formulas: docs/memory.md)
-GB = 2**30  # the unit of time/peak_memory_gb and --gpu-memory-gb
-GPT2_SIZES = {"gpt2": (12, 768, 12), "gpt2-medium": (24, 1024, 16), "gpt2-large": (36, 1280, 20),
-              "gpt2-xl": (48, 1600, 25)}  # fmt: skip
-"""OpenAI's GPT-2 sizes (n_layer, n_embd, n_head): a --dry-run estimates them without their config file"""
-BEST_OF = 4  # the reward script's label records hold a query and 4 samples, read as one row
-LOGIT_COPIES = 5  # (rows, T, V) fp32 tensors live at once in a PPO micro-batch's backward: the scaled logits kept for
-# it, the gather's scattered gradient (autograd runs the gather's backward first), and logsumexp's backward's
-# logits - logsumexp, its exp and their product with the incoming gradient
-ROLLOUT_LOGIT_COPIES = 3  # a rollout chunk's policy and reference logits, and a log-softmax temporary
-ZERO_REDUCE_BUCKET = 4 * ZERO_BUCKET_VALUES  # bytes: ZeRO-2's fp32 reduce bucket (check_launch), allocated whole
+# the estimated peak memory against the GPU's (the estimate itself: memory_estimate.py, the formulas of docs/memory.md)
 EFFICIENT_MICRO_BATCH = 16  # rows below which a GPU's matrix products run far from their peak: the flags that fit are
 # first sought with micro-batches of at least this many rows
 MEMORY_HEADROOM = 0.9  # of a GPU's memory the estimate may fill: what torch.cuda.max_memory_allocated does not count
 # takes the rest: the CUDA context (~0.5 GB), NCCL's buffers (several processes) and the caching allocator's free
 # blocks (its rollout and training phases allocate different shapes)
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the estimate needs of a model: its parameters counted exactly, and the sizes of its activations."""
-
-    lm_parameters: int  # the causal LM's, a tied LM head counted once (GPT-2's is its token embedding)
-    backbone_parameters: int  # without the LM head: the reward model's backbone
-    layers: int
-    width: int  # d_model
-    inner: int  # the MLP's hidden width (4 * d_model in GPT-2)
-    vocab: int  # rows of the LM head
-
-
-@functools.cache
-def model_shape(name: str) -> Optional[ModelShape]:
-    """The shape of a model, built from its config on the meta device (no memory, no weights read): the config of a
-    local directory or of the Hugging Face cache, or OpenAI's GPT-2 sizes; None when there is none (a dry run
-    downloads nothing)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config
-
-    try:
-        config = AutoConfig.from_pretrained(name, local_files_only=True)
-    except (OSError, ValueError):  # not local, not cached (or not a valid name at all)
-        if name.removeprefix("openai-community/") not in GPT2_SIZES:
-            return None
-        n_layer, n_embd, n_head = GPT2_SIZES[name.removeprefix("openai-community/")]
-        config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head)
-    with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(config)
-    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731 (shared tensors once)
-    inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size
-    return ModelShape(lm_parameters=count(lm), backbone_parameters=count(lm.base_model),
-                      layers=config.num_hidden_layers, width=config.hidden_size, inner=inner,
-                      vocab=lm.get_output_embeddings().weight.shape[0])  # fmt: skip
-
-
-def peak_memory_parts(args, base: ModelShape, reward: Optional[ModelShape], processes: int, zero_stage: int) -> dict:
-    """The estimated peak GPU memory of one process, in bytes per part, for a script's `args` (the policy script's
-    when they have `ppo`, else the reward script's) launched on `processes` processes, under ZeRO-2 when
-    `zero_stage` is not 0 (DeepSpeed's other stages are estimated as 2). `base` is --base-model's shape, `reward` the
-    policy's reward model's (None: --rewards.function). Assumptions (docs/memory.md: ±25%):
-
-    - the trained model: fp32 weights, gradients and Adam's m and v (16 bytes per parameter); DDP keeps the
-      gradients as views into its all-reduce buckets (ddp_options), no second copy; ZeRO-2 splits gradients and
-      Adam over the processes, and adds its fp32 copy of each process's partition and its reduce bucket; bf16
-      autocast adds bf16 copies of the weights (its cache) and keeps everything else fp32;
-    - frozen models (the policy's reference and reward models, the reward script's sampler): fp32 weights;
-    - activations saved for the backward, per token and layer of a GPT-2 block with SDPA attention (no T x T
-      matrix): 9 d_model + 2 inner values (input, layer-norm outputs, q k v, the attention's output and its
-      merged heads, the MLP's hidden and its activation), fp32; under bf16 the matrix products' inputs are bf16
-      and the layer norms' inputs fp32; with gradient checkpointing each layer keeps only its fp32 input, and one
-      layer is recomputed at a time; the reward script adds each record's (L, L) attention mask;
-    - the policy's logits: LOGIT_COPIES fp32 (rows, T, V) tensors per micro-batch;
-    - the rollout, which never overlaps the training peak: the largest of sampling a chunk of
-      --local-rollout-forward-batch-size rows (its KV cache and a step's logits), the policy's log-prob forwards of a
-      micro-batch (ROLLOUT_LOGIT_COPIES of its logits, a layer's no-grad temporaries), the reward model's scoring of
-      a chunk, and in the reward script the held-out evaluation's forward;
-    - the query's prefix and suffix tokens, SDPA's log-sum-exp and the value / reward heads' outputs are left out.
-    """
-    task, d, bf16 = args.task, base.width, args.mixed_precision == "bf16"
-    if hasattr(args, "ppo"):  # as the policy script's validate_args splits the batch
-        trained = base.lm_parameters + d + 1  # the LM and the value head
-        frozen = {"reference_model": 4 * base.lm_parameters}
-        if reward is not None:
-            frozen["reward_model"] = 4 * (reward.backbone_parameters + reward.width + 3)
-        ppo = args.ppo
-        rows = ppo.batch_size // processes // ppo.nminibatches // ppo.gradient_accumulation_steps
-        tokens = task.query_length + task.response_length
-        rollout_rows = min(args.local_rollout_forward_batch_size, ppo.batch_size // processes)  # sampling, scoring
-    else:  # the reward script: micro-batches of label records, each one row of a query and its 4 samples
-        trained = base.backbone_parameters + d + 3  # the backbone, the scalar head, the gain and the bias
-        frozen = {"sampler": 4 * base.lm_parameters}
-        rows = args.batch_size // processes // args.gradient_accumulation_steps
-        tokens = task.query_length + BEST_OF * task.response_length
-        rollout_rows = min(args.local_rollout_forward_batch_size, args.rollout_batch_size // processes)
-    parts = {"weights": 4 * trained, "bf16_weight_copies": 2 * trained if bf16 else 0}
-    if zero_stage:
-        parts["gradients"] = 4 * trained / processes + ZERO_REDUCE_BUCKET
-        parts["optimizer"] = 12 * trained / processes  # Adam's m and v, and ZeRO's fp32 copy of the partition
-    else:
-        parts["gradients"] = 4 * trained  # on several processes: DDP's buckets themselves (ddp_options)
-        parts["optimizer"] = 8 * trained  # Adam's m and v
-    parts.update(frozen)
-    values = 2 if bf16 else 4  # bytes of a saved matrix-product input
-    per_token_layer = 4 * (2 * d) + values * (7 * d + 2 * base.inner)  # the two layer norms' fp32 inputs, the rest
-    if args.gradient_checkpointing:  # each layer's fp32 input, and one layer recomputed during the backward
-        parts["activations"] = rows * tokens * (base.layers * 4 * d + per_token_layer)
-    else:
-        parts["activations"] = rows * tokens * base.layers * per_token_layer
-    forward_temporaries = 4 * tokens * (d + 2 * base.inner)  # per row: a no-grad layer's residual and MLP values
-    kv_cache = 2 * base.layers * (task.query_length + task.response_length) * d * values  # per row
-    sampling = rollout_rows * (kv_cache + 2 * 4 * base.vocab)  # the cache, a step's logits and their softmax
-    if hasattr(args, "ppo"):
-        parts["logits"] = LOGIT_COPIES * 4 * rows * task.response_length * base.vocab
-        logits = ROLLOUT_LOGIT_COPIES * 4 * task.response_length * base.vocab
-        # the log-prob forwards take the PPO micro-batch's rows (rollout_logprobs), sampling and scoring the chunks
-        parts["rollout"] = max(sampling, rows * (logits + forward_temporaries), rollout_rows * forward_temporaries)
-    else:
-        mask = 5 * tokens**2  # per record: the fp32 (L, L) attention mask and its boolean source
-        parts["activations"] += rows * mask
-        evaluation = args.eval_batch_size // processes * (mask + forward_temporaries)
-        parts["rollout"] = max(sampling, evaluation)
-    return {name: value for name, value in parts.items() if value}
-
-
-def peak_memory_phases(parts: dict) -> tuple[float, float, float]:
-    """(static, training, rollout) bytes: what lives the whole run, the training peak (activations and logits), and
-    the rollout's (sampling, scoring, evaluation), which never overlaps the training peak."""
-    training = parts.get("activations", 0) + parts.get("logits", 0)
-    static = sum(value for name, value in parts.items() if name not in ("activations", "logits", "rollout"))
-    return static, training, parts.get("rollout", 0)
-
-
-def peak_memory_total(parts: dict) -> float:
-    static, training, rollout = peak_memory_phases(parts)
-    return static + max(training, rollout)
-
-
-def estimate_peak_memory(args, processes: int, zero_stage: int) -> Optional[dict[str, float]]:
-    """peak_memory_parts in GB, with their "total"; None when --base-model's config is not here."""
-    base = model_shape(args.base_model)
-    if base is None:
-        return None
-    parts = peak_memory_parts(args, base, reward_model_shape(args, base), processes, zero_stage)
-    in_gb = {name: round(value / GB, 2) for name, value in parts.items()}
-    return {**in_gb, "total": round(peak_memory_total(parts) / GB, 2)}
-
-
-def reward_model_shape(args, base: ModelShape) -> Optional[ModelShape]:
-    """The policy's reward model: its own directory's config when it is here, else the base model's size; None for
-    --rewards.function (and for the reward script, which has none)."""
-    rewards = getattr(args, "rewards", None)
-    if rewards is None or rewards.function is not None:
-        return None
-    return (rewards.trained_model and model_shape(rewards.trained_model)) or base
 
 
 def launched_zero_stage() -> int:
@@ -1317,17 +1179,18 @@ def gpu_memory_gb(args, device: Optional[torch.device] = None) -> Optional[float
         device = torch.device("cuda", 0)
     if device is None or device.type != "cuda":
         return None
-    return torch.cuda.get_device_properties(device).total_memory / GB
+    return torch.cuda.get_device_properties(device).total_memory / memory_estimate.GB
 
 
 def memory_check(args, processes: int, zero_stage: int, budget_gb: Optional[float]):
     """(the estimate in GB or None, a one-line warning or None): the warning when the estimate is above
     MEMORY_HEADROOM of `budget_gb`, naming the flags that would make the run fit."""
-    memory = estimate_peak_memory(args, processes, zero_stage)
+    memory = memory_estimate.estimate_peak_memory(args, processes, zero_stage)
     if memory is None or budget_gb is None or memory["total"] <= MEMORY_HEADROOM * budget_gb:
         return memory, None
-    fit = flags_that_fit(args, processes, zero_stage, MEMORY_HEADROOM * budget_gb * GB)
-    advice = f"{fit[0]} would fit (estimated {fit[1] / GB:.1f} GB)" if fit else "no flag of these scripts makes it fit"
+    fit = flags_that_fit(args, processes, zero_stage, MEMORY_HEADROOM * budget_gb * memory_estimate.GB)
+    gb = memory_estimate.GB
+    advice = f"{fit[0]} would fit (estimated {fit[1] / gb:.1f} GB)" if fit else "no flag of these scripts makes it fit"
     return memory, (f"warning: the estimated peak memory per process, {memory['total']:.1f} GB (docs/memory.md), is "
                     f"above {MEMORY_HEADROOM:.0%} of the GPU's {budget_gb:.1f} GB (--gpu-memory-gb): {advice}")  # fmt: skip
 
@@ -1354,12 +1217,13 @@ def flags_that_fit(args, processes: int, zero_stage: int, budget: float) -> Opti
                 "--mixed-precision bf16 --gradient-checkpointing", processes, zero_stage),
                ({"mixed_precision": "no"}, zero2, more, 2),
                ({"mixed_precision": "no", "gradient_checkpointing": True}, f"{zero2}, --gradient-checkpointing", more, 2)]  # fmt: skip
-    base = model_shape(args.base_model)
+    base = memory_estimate.model_shape(args.base_model)
 
     def phases(changes: dict, launch_processes: int, launch_zero: int) -> tuple[float, float, float]:
         changed = replace_fields(args, changes)
-        shape = reward_model_shape(changed, base)
-        return peak_memory_phases(peak_memory_parts(changed, base, shape, launch_processes, launch_zero))
+        shape = memory_estimate.reward_model_shape(changed, base)
+        parts = memory_estimate.peak_memory_parts(changed, base, shape, launch_processes, launch_zero)
+        return memory_estimate.peak_memory_phases(parts)
 
     halvings = lambda n: [n >> i for i in range(n.bit_length())]  # noqa: E731 (n, n / 2, ..., 1)
     for smallest, option in itertools.product((EFFICIENT_MICRO_BATCH, 1), options):

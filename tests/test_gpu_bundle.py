@@ -28,9 +28,10 @@ def test_every_module_level_import_of_the_check_path_is_in_the_node_stack_or_the
     them) are imported where used."""
     import ast
 
-    allowed = {"torch", "transformers", "accelerate", "safetensors", "numpy", "rich", "tyro", "run_utils", "rlhf_data"}
+    allowed = {"torch", "transformers", "accelerate", "safetensors", "numpy", "rich", "tyro", "run_utils", "rlhf_data",
+               "memory_estimate"}  # fmt: skip
     allowed.add("psutil")  # accelerate's dependency
-    for name in ("train_reward_accelerate.py", "train_policy_accelerate.py", "run_utils.py", "rlhf_data.py",
+    for name in ("train_reward_accelerate.py", "train_policy_accelerate.py", "run_utils.py", "memory_estimate.py", "rlhf_data.py",
                  "quickstart_assets.py", "benchmark/speed/throughput.py"):  # fmt: skip
         tree = ast.parse((REPO / name).read_text())
         imported = {

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+import memory_estimate
 import run_utils
 import train_policy_accelerate
 import train_reward_accelerate
@@ -45,7 +46,7 @@ def test_parameters_counted_on_the_meta_device_are_the_real_models(kind, tmp_pat
                              num_key_value_heads=2, vocab_size=900, tie_word_embeddings=False)  # fmt: skip
         model = LlamaForCausalLM(config)
     model.save_pretrained(tmp_path)
-    shape = run_utils.model_shape(str(tmp_path))
+    shape = memory_estimate.model_shape(str(tmp_path))
     assert shape.lm_parameters == count(model) and shape.backbone_parameters == count(model.base_model)
     assert (shape.lm_parameters == shape.backbone_parameters) == (kind == "gpt2")
     assert (shape.layers, shape.width, shape.vocab) == (model.config.num_hidden_layers, model.config.hidden_size,
@@ -58,14 +59,14 @@ def test_gpt2_sizes_are_counted_exactly(name):
     """OpenAI's four sizes (known without a download): the published counts, and GPT-2's own formula: token and
     position embeddings, per block 12 d^2 + 13 d (4 d^2 + 4 d attention, 8 d^2 + 5 d MLP, 4 d layer norms), the
     final layer norm."""
-    shape = run_utils.model_shape(name)
-    layers, d, _ = run_utils.GPT2_SIZES[name]
+    shape = memory_estimate.model_shape(name)
+    layers, d, _ = memory_estimate.GPT2_SIZES[name]
     assert shape.lm_parameters == GPT2_COUNTS[name] == 50257 * d + 1024 * d + layers * (12 * d * d + 13 * d) + 2 * d
     assert shape.backbone_parameters == shape.lm_parameters  # the head is the embedding
-    assert run_utils.model_shape(f"openai-community/{name}") == shape
+    assert memory_estimate.model_shape(f"openai-community/{name}") == shape
 
 
-SMALL = run_utils.ModelShape(lm_parameters=1000, backbone_parameters=900, layers=3, width=8, inner=32, vocab=50)
+SMALL = memory_estimate.ModelShape(lm_parameters=1000, backbone_parameters=900, layers=3, width=8, inner=32, vocab=50)
 """A made-up model for the hand-checked examples: d = 8, MLP 32, V = 50"""
 
 
@@ -76,7 +77,7 @@ def small_policy(**overrides):
 
 
 def test_policy_parts_on_a_hand_checked_example():
-    parts = run_utils.peak_memory_parts(small_policy(), SMALL, SMALL, processes=2, zero_stage=0)
+    parts = memory_estimate.peak_memory_parts(small_policy(), SMALL, SMALL, processes=2, zero_stage=0)
     trained = 1000 + 8 + 1  # the LM and the value head
     assert parts == {
         "weights": 4 * trained,
@@ -94,22 +95,24 @@ def test_policy_parts_on_a_hand_checked_example():
         "rollout": 4 * (1800 + 2016),
     }
     static = 4 * trained * 2 + 8 * trained + 4000 + 3644
-    assert run_utils.peak_memory_total(parts) == static + 4 * 7 * 3 * 544 + 5 * 4 * (4 * 3 * 50)  # training > rollout
+    assert memory_estimate.peak_memory_total(parts) == static + 4 * 7 * 3 * 544 + 5 * 4 * (
+        4 * 3 * 50
+    )  # training > rollout
 
 
 def test_bf16_checkpointing_zero2_and_direct_rl_parts_on_the_example():
-    bf16 = run_utils.peak_memory_parts(small_policy(mixed_precision="bf16"), SMALL, SMALL, 2, 0)
+    bf16 = memory_estimate.peak_memory_parts(small_policy(mixed_precision="bf16"), SMALL, SMALL, 2, 0)
     assert bf16["bf16_weight_copies"] == 2 * 1009
     assert bf16["activations"] == 4 * 7 * 3 * (4 * 2 * 8 + 2 * (7 * 8 + 2 * 32))  # fp32 layer-norm inputs, bf16 rest
-    checkpointed = run_utils.peak_memory_parts(small_policy(gradient_checkpointing=True), SMALL, SMALL, 2, 0)
+    checkpointed = memory_estimate.peak_memory_parts(small_policy(gradient_checkpointing=True), SMALL, SMALL, 2, 0)
     assert checkpointed["activations"] == 4 * 7 * (3 * 4 * 8 + 544)  # each layer's fp32 input, one layer recomputed
-    zero2 = run_utils.peak_memory_parts(small_policy(), SMALL, SMALL, 2, zero_stage=2)
+    zero2 = memory_estimate.peak_memory_parts(small_policy(), SMALL, SMALL, 2, zero_stage=2)
     # the reduce bucket: 5e7 fp32 values (check_launch sets DeepSpeed's reduce_bucket_size; its own default is 5e8)
     assert zero2["gradients"] == 4 * 1009 / 2 + 200_000_000 and zero2["optimizer"] == 12 * 1009 / 2
     assert zero2["weights"] == 4 * 1009
-    direct = run_utils.peak_memory_parts(small_policy(), SMALL, None, 2, 0)  # --rewards.function: no reward model
+    direct = memory_estimate.peak_memory_parts(small_policy(), SMALL, None, 2, 0)  # --rewards.function: no reward model
     assert "reward_model" not in direct
-    one = run_utils.peak_memory_parts(small_policy(), SMALL, SMALL, 1, 0)
+    one = memory_estimate.peak_memory_parts(small_policy(), SMALL, SMALL, 1, 0)
     assert one["activations"] == 2 * 4 * 7 * 3 * 544  # micro-batches of 8 rows
 
 
@@ -117,7 +120,7 @@ def test_reward_script_parts_on_a_hand_checked_example():
     """Batch 8 on 2 processes: micro-batches of 4 records, each one row of the query (4) and 4 samples of 3 tokens."""
     args = reward_args(**{"batch_size": 8, "task.query_length": 4, "task.response_length": 3,
                           "local_rollout_forward_batch_size": 4, "rollout_batch_size": 8, "eval_batch_size": 8})  # fmt: skip
-    parts = run_utils.peak_memory_parts(args, SMALL, None, processes=2, zero_stage=0)
+    parts = memory_estimate.peak_memory_parts(args, SMALL, None, processes=2, zero_stage=0)
     trained = 900 + 8 + 3
     mask = 5 * 16 * 16  # a record's fp32 (16, 16) attention mask and its boolean source
     assert parts == {
@@ -132,7 +135,7 @@ def test_reward_script_parts_on_a_hand_checked_example():
 
 def test_each_memory_knob_lowers_the_estimate():
     """gpt2-xl at OpenAI's defaults: more accumulation, checkpointing, ZeRO-2 and bf16 each lower the total."""
-    total = lambda args, processes=1, zero=0: run_utils.estimate_peak_memory(args, processes, zero)["total"]  # noqa: E731
+    total = lambda args, processes=1, zero=0: memory_estimate.estimate_peak_memory(args, processes, zero)["total"]  # noqa: E731
     defaults = policy_args(base_model="gpt2-xl")
     totals = [total(policy_args(**{"base_model": "gpt2-xl", "ppo.gradient_accumulation_steps": s})) for s in (1, 2, 8)]
     assert totals == sorted(totals, reverse=True) and len(set(totals)) == 3

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import memory_estimate
 import run_utils
 import train_policy_accelerate
 import train_reward_accelerate
@@ -72,7 +73,7 @@ def usage_partition(suite: Path) -> str:
 
 @pytest.mark.parametrize("suite", SUITES, ids=[suite.name for suite in SUITES])
 def test_every_suite_command_fits_the_gpus_of_the_queue_it_names(suite):
-    """The estimated peak memory per process (run_utils.estimate_peak_memory, as --dry-run prints it) of each training
+    """The estimated peak memory per process (memory_estimate.estimate_peak_memory, as --dry-run prints it) of each training
     command within 90% of a GPU of the queue its usage line names (benchmark/launch/aws/pcluster.yaml): a gpt2 policy at
     micro-batch 512 in fp32 (~38 GB) does not fit an A100 40 GB. Base models whose config is not here (no
     download) are left out."""
@@ -88,5 +89,5 @@ def test_every_suite_command_fits_the_gpus_of_the_queue_it_names(suite):
         launch = yaml.safe_load((REPO / config).read_text()) if config else {}
         zero_stage = launch["deepspeed_config"]["zero_stage"] if launch.get("distributed_type") == "DEEPSPEED" else 0
         args = run_utils.task_cli(SCRIPTS[Path(script).name].task_defaults, flags)
-        memory = run_utils.estimate_peak_memory(args, processes, zero_stage)
+        memory = memory_estimate.estimate_peak_memory(args, processes, zero_stage)
         assert memory is None or memory["total"] <= budget, (suite.name, usage_partition(suite), argv, memory)

@@ -1,4 +1,4 @@
-"""The README's memory table: the estimated peak GPU memory per process (run_utils.estimate_peak_memory, the formulas
+"""The README's memory table: the estimated peak GPU memory per process (memory_estimate.estimate_peak_memory, the formulas
 of docs/memory.md) of train_policy_accelerate.py at OpenAI's defaults (a batch of 512 episodes, 64 + 24 tokens, no
 gradient accumulation: micro-batches of 512 / processes) for GPT-2's four sizes, on 1 and 8 GPUs, in fp32 and bf16,
 and under ZeRO-2. An estimate, not a measurement: no GPU has run this project yet (benchmark/launch/gpu/check.sh records
@@ -10,6 +10,7 @@ torch.cuda.max_memory_allocated next to the estimate, to check it).
 
 import sys
 
+import memory_estimate
 import run_utils
 import train_policy_accelerate
 
@@ -36,12 +37,12 @@ GPT2_XL_CASES = {  # setup: (processes, ZeRO stage, flags)
 
 def memory_table() -> str:
     lines = ["| model | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
-    for model in run_utils.GPT2_SIZES:
-        cells = [f"{model} ({run_utils.model_shape(model).lm_parameters / 1e6:,.0f}M)"]
+    for model in memory_estimate.GPT2_SIZES:
+        cells = [f"{model} ({memory_estimate.model_shape(model).lm_parameters / 1e6:,.0f}M)"]
         for processes, zero_stage, precision in COLUMNS.values():
             args = run_utils.replace_fields(train_policy_accelerate.task_defaults(), {"base_model": model,
                                                                                       "mixed_precision": precision})  # fmt: skip
-            total = run_utils.estimate_peak_memory(args, processes, zero_stage)["total"]
+            total = memory_estimate.estimate_peak_memory(args, processes, zero_stage)["total"]
             cells.append(f"{total:.0f}" + (" ✗" if total > run_utils.MEMORY_HEADROOM * GPU_GB else ""))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -53,11 +54,17 @@ def gpt2_xl_table() -> str:
              "|---|---|---|---|---|---|"]  # fmt: skip
     for setup, (processes, zero_stage, flags) in GPT2_XL_CASES.items():
         args = run_utils.replace_fields(train_policy_accelerate.task_defaults(), {"base_model": "gpt2-xl", **flags})
-        shape = run_utils.model_shape("gpt2-xl")
-        parts = run_utils.peak_memory_parts(args, shape, shape, processes, zero_stage)
-        static, _, _ = run_utils.peak_memory_phases(parts)
-        cells = [static, parts["activations"], parts["logits"], parts["rollout"], run_utils.peak_memory_total(parts)]
-        lines.append(f"| {setup} | " + " | ".join(f"{value / run_utils.GB:.1f}" for value in cells) + " |")
+        shape = memory_estimate.model_shape("gpt2-xl")
+        parts = memory_estimate.peak_memory_parts(args, shape, shape, processes, zero_stage)
+        static, _, _ = memory_estimate.peak_memory_phases(parts)
+        cells = [
+            static,
+            parts["activations"],
+            parts["logits"],
+            parts["rollout"],
+            memory_estimate.peak_memory_total(parts),
+        ]
+        lines.append(f"| {setup} | " + " | ".join(f"{value / memory_estimate.GB:.1f}" for value in cells) + " |")
     return "\n".join(lines)
 
 

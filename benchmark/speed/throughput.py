@@ -1,7 +1,7 @@
 """Throughput of the real training loops: runs N updates of train_policy_accelerate.py (and/or N steps of
 train_reward_accelerate.py plus a held-out evaluation) on a model of any size with random weights — no download —
 and prints one JSON line per stage: seconds per update, episodes/s, response tokens/s, the phase split, the peak
-memory next to its estimate (run_utils.estimate_peak_memory), an MFU estimate (model FLOPs per second / a matmul
+memory next to its estimate (memory_estimate.estimate_peak_memory), an MFU estimate (model FLOPs per second / a matmul
 peak measured at start in the run's own precision, or --peak-tflops) and, for the policy, each update's largest
 |ratio - 1| before its first optimizer step (ppo/policy/first_ratio_max_deviation). The task is books-like: queries
 start and end at a period (left-padded), label records padded as OpenAI's.
@@ -36,17 +36,31 @@ import psutil  # accelerate's dependency
 import torch
 import tyro
 
+import memory_estimate
 import run_utils
 
 REPO = Path(__file__).resolve().parents[2]
 
 # GPT-2 family shapes (n_layer, n_embd, n_head); "tiny" is the 2-layer, 128-wide model of the blog comparison
-SIZES = {"tiny": (2, 128, 4), **run_utils.GPT2_SIZES}
+SIZES = {"tiny": (2, 128, 4), **memory_estimate.GPT2_SIZES}
 TIMED_OUT = 124  # the exit status at --timeout (GNU timeout's)
 WORDS = "the a cat dog sat on mat happy sad good bad house river tree bird sun moon ran saw big small".split()
 SENTENCE_END = 6  # a word ends a sentence ("word.") once in this many, so that queries, which start and end at a
 # period as books queries do, are left-padded by a few tokens, each row by its own number: masked attention, as on books
 OPENAI_PAD_ID = 50259  # the label files' pad (train_reward_accelerate.OPENAI_PAD_ID)
+
+
+@dataclass
+class ModelSizeArgs:
+    """The flags of the speed tools that time one GPT-2 size with random weights (benchmark/speed/optimizations.py,
+    ppo_profile.py) on rows of query ⊕ response."""
+
+    model: str = "gpt2"
+    """a size of the GPT-2 family with random weights: tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl"""
+    batch_size: int = 8
+    """rows per forward: PPO episodes (a micro-batch) or label records"""
+    query_length: int = 64
+    response_length: int = 24
 
 
 @dataclass
@@ -257,13 +271,13 @@ def stop_on_signals(timeout: Optional[float]) -> None:
         signal.setitimer(signal.ITIMER_REAL, timeout)
 
 
-def memory_estimate(script: str, flags: list[str], processes: int, zero_stage: int) -> Optional[dict]:
-    """run_utils.estimate_peak_memory for a training command: what its --dry-run would print on this launch."""
+def estimated_memory(script: str, flags: list[str], processes: int, zero_stage: int) -> Optional[dict]:
+    """memory_estimate.estimate_peak_memory for a training command: what its --dry-run would print on this launch."""
     import train_policy_accelerate
     import train_reward_accelerate
 
     module = train_policy_accelerate if script == "train_policy_accelerate.py" else train_reward_accelerate
-    return run_utils.estimate_peak_memory(run_utils.task_cli(module.task_defaults, flags), processes, zero_stage)
+    return memory_estimate.estimate_peak_memory(run_utils.task_cli(module.task_defaults, flags), processes, zero_stage)
 
 
 def task_flags(args: Args, model_dir: Path, corpus: Path) -> list[str]:
@@ -316,7 +330,7 @@ def main(args: Args) -> None:
                 "batch_size": args.batch_size, "seconds_per_step": step, "labels_per_second": args.batch_size / step,
                 "eval_seconds_per_label": evaluation / args.eval_labels, "mfu": median(rows[1:], "time/mfu_train_step"),
                 "test_accuracy": rows[-1]["test/accuracy"], "peak_memory_gb": rows[-1].get("time/peak_memory_gb"),
-                "estimated_peak_memory_gb": memory_estimate("train_reward_accelerate.py", reward_flags, processes,
+                "estimated_peak_memory_gb": estimated_memory("train_reward_accelerate.py", reward_flags, processes,
                                                             zero_stage), **memory,
             }))  # fmt: skip
         if args.stage in ("policy", "both"):
@@ -344,7 +358,7 @@ def main(args: Args) -> None:
                 "phases": phases, "mfu_ppo_epochs": median(rows[1:], "time/mfu_ppo_epochs"),  # logged (--peak-tflops)
                 "mfu_update": median(rows[1:], "time/mfu_update"),
                 "peak_memory_gb": rows[-1]["time/peak_memory_gb"],  # process 0's, over the whole run
-                "estimated_peak_memory_gb": memory_estimate("train_policy_accelerate.py", policy_flags, processes,
+                "estimated_peak_memory_gb": estimated_memory("train_policy_accelerate.py", policy_flags, processes,
                                                             zero_stage), **memory,
                 # each update's (the warm-up's first): 0 when the PPO forward computes what the rollout computed
                 "first_ratio_max_deviation": [row["ppo/policy/first_ratio_max_deviation"] for row in rows],
