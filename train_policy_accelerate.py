@@ -40,7 +40,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
-from accelerate import Accelerator
 from accelerate.utils import gather_object
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
@@ -175,9 +174,8 @@ class Args(run_utils.RunArgs):
     size, or a multiple of it on every process, the same samples: the draws follow the chunks); the policy's and
     the reference's log-prob forwards take the PPO micro-batch's rows, the shapes of the PPO epochs' forwards"""
     compile: bool = False
-    """torch.compile the policy's training forward (PPO epochs); the first update pays the compilation, later ones
-    run the compiled kernels; same math to float rounding (tested on CPU only; refused under DeepSpeed, and with
-    --gradient-checkpointing on several processes)"""
+    """torch.compile the policy's training forward (PPO epochs): the first update pays the compilation; the same math
+    to float rounding (docs/speed.md)"""
     print_sample_output_freq: int = 10
     """print (and save to samples.jsonl) a table of sample responses every this many updates"""
     eval_every: int = 10
@@ -190,9 +188,13 @@ class Args(run_utils.RunArgs):
     rewards: RewardHParams = field(default_factory=RewardHParams)
     ppo: PpoHParams = field(default_factory=PpoHParams)
     local_batch_size: tyro.conf.Suppress[Optional[int]] = None
+    """--ppo.batch-size / processes: the rollout's rows on one process (computed in validate_args)"""
     local_mini_batch_size: tyro.conf.Suppress[Optional[int]] = None
+    """local_batch_size / --ppo.nminibatches: a minibatch's rows on one process (computed)"""
     local_whitening_ranks: tyro.conf.Suppress[Optional[int]] = None
+    """--ppo.whitening-ranks / processes: the whitening shares of one process's rows (computed)"""
     num_updates: tyro.conf.Suppress[Optional[int]] = None
+    """ceil(--ppo.total-episodes / --ppo.batch-size): the PPO updates of the run (computed)"""
 
 
 RANK_SEED_STRIDE = 100003  # process i samples with seed + i * RANK_SEED_STRIDE (a prime, so streams never collide)
@@ -220,11 +222,11 @@ def load_tokenizer(name_or_path: str):
     return tokenizer
 
 
-def truncate_token_id(tokenizer, task) -> int:
-    """The id of --task.truncate-token, which must be one token ('.' is 13 in GPT-2, '\\n' 198)."""
-    ids = tokenizer.encode(task.truncate_token, add_special_tokens=False)
+def single_token_id(tokenizer, text: str, flag: str) -> int:
+    """The id of `text`, the value of `flag`, which must be one token ('.' is 13 in GPT-2, '\\n' 198)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) != 1:
-        run_utils.fail(f"--task.truncate-token {task.truncate_token!r} is {len(ids)} tokens, not 1")
+        run_utils.fail(f"{flag} {text!r} is {len(ids)} tokens, not 1")
     return ids[0]
 
 
@@ -267,21 +269,6 @@ def padded_forward(backbone: nn.Module, tokens: torch.Tensor, pad_id: int) -> to
     input_ids = torch.where(attention_mask, tokens, 0)
     output = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return output.last_hidden_state
-
-
-@contextlib.contextmanager
-def fp32_products(device_type: str):
-    """Inside: matrix products in IEEE fp32, as OAI computed its heads: bf16 autocast off, and TF32 off also where
-    --allow-tf32 turned it on for the trunk (restored on leaving). The functions that use it are kept out of
-    torch.compile (torch.compiler.disable): a compiled kernel reads the TF32 flag when it runs, not where the code
-    set it."""
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        with torch.autocast(device_type, enabled=False):
-            yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 @torch.compiler.disable
@@ -388,22 +375,26 @@ def query_from_text(tokenizer, text_tokens: list[int], task, pad_id: int) -> Opt
     # end_text; texts without start or end text yield no query
     tokens = text_tokens
     if task.start_text:
-        start = tokenizer.encode(task.start_text, add_special_tokens=False)
-        hits = [i for i in range(len(tokens) - len(start) + 1) if tokens[i : i + len(start)] == start]
+        start, hits = find(tokenizer, tokens, task.start_text)
         if not hits:
             return None
         if hits[0] + len(start) < len(tokens):
             tokens = tokens[hits[0] + len(start) :]
     tokens = tokens[: task.query_length]
     if task.end_text:
-        end = tokenizer.encode(task.end_text, add_special_tokens=False)
-        hits = [i for i in range(len(tokens) - len(end) + 1) if tokens[i : i + len(end)] == end]
+        end, hits = find(tokenizer, tokens, task.end_text)
         if not hits:
             return None
         tokens = tokens[: hits[-1] + len(end)]
     if not tokens:
         return None
     return tokens + [pad_id] * (task.query_length - len(tokens))
+
+
+def find(tokenizer, tokens: list[int], text: str) -> tuple[list[int], list[int]]:
+    """`text`'s tokens and where they start in `tokens`."""
+    pattern = tokenizer.encode(text, add_special_tokens=False)
+    return pattern, [i for i in range(len(tokens) - len(pattern) + 1) if tokens[i : i + len(pattern)] == pattern]
 
 
 class QueryStream:
@@ -488,27 +479,6 @@ class RewardModel(nn.Module):
         autocast and --allow-tf32."""
         with fp32_products(hidden.device.type):  # as OAI's: a bf16 output would keep 3 digits
             return self.reward_gain * self.scalar_head(hidden.to(self.reward_gain.dtype)).squeeze(-1) + self.reward_bias
-
-
-LABELER_PACKAGES = {"sentiment": "vaderSentiment", "descriptiveness": "textblob"}
-"""each simulated labeler's package (its import name is its pip name): checked before any model loads"""
-
-
-def simulated_labeler_scores(labeler: str, texts: list[str]) -> list[float]:
-    """Offline stand-ins for OAI's human labelers: `sentiment` = VADER compound score in [-1, 1]; `descriptiveness` =
-    share of adjective/adverb tags (textblob's offline PatternTagger) among the words."""
-    if labeler == "sentiment":
-        from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
-
-        analyzer = SentimentIntensityAnalyzer()
-        return [analyzer.polarity_scores(text)["compound"] for text in texts]
-    from textblob.en.taggers import PatternTagger
-
-    tagger, scores = PatternTagger(), []
-    for text in texts:
-        tags = [tag for word, tag in tagger.tag(text) if any(c.isalpha() for c in word)]
-        scores.append(sum(tag.startswith(("JJ", "RB")) for tag in tags) / max(len(tags), 1))
-    return scores
 
 
 def decode(tokenizer, tokens: torch.Tensor) -> list[str]:
@@ -609,11 +579,10 @@ def generate_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, respo
 def rollout_logprobs(policy: PolicyAndValueWrapper, ref_lm, query_responses, context_length: int, pad_id: int,
                      scale: float, chunk: int):  # fmt: skip
     """Log-probs of the responses under the policy and the reference policy, and the values: one forward each over
-    query ⊕ response, in chunks, the policy's the same computation as the PPO epochs' (so their first ratios are
-    exactly 1, also under bf16, where the sampling loop's KV-cached forwards differ by up to 0.2 in a log-prob;
-    tested on CPU; in chunks of the PPO micro-batch, so that on a GPU too the same shapes run the same kernels, but
-    not with --compile, whose kernels differ from these eager ones by rounding); `scale` divides the logits (the
-    sampling temperature), `chunk` rows a forward (the PPO micro-batch): (B, T) each."""
+    query ⊕ response, the policy's the same computation as the PPO epochs' first forward (in chunks of the PPO
+    micro-batch: the same shapes run the same kernels), so that their first ratios are exactly 1; the sampling loop's
+    KV-cached forwards are another computation (docs/speed.md). `scale` divides the logits (the sampling
+    temperature), `chunk` rows a forward: (B, T) each."""
     outputs = []
     for rows in query_responses.split(chunk):
         response = rows[:, context_length:]
@@ -638,7 +607,7 @@ def score_responses(reward_model: RewardModel, queries, responses, truncate_toke
 
 
 def compute_rewards(scores, logprobs, ref_logprobs, kl_coef: float, per_token: bool = True):
-    """Per-token rewards and their parts: (kl, non_score_reward, rewards), (B, T) each."""
+    """Per-token rewards and their KL part: (non_score_reward, rewards), (B, T) each."""
     # detail: per-token KL penalty — -kl_coef * (logprobs - ref_logprobs) on every token, plus the score on the last
     # token T-1, always the last, even when the response was truncated earlier (OAI train_policy.py compute_rewards);
     # --rewards.no-per-token-kl: the same total penalty, all of it on the last token
@@ -648,7 +617,15 @@ def compute_rewards(scores, logprobs, ref_logprobs, kl_coef: float, per_token: b
         non_score_reward = F.pad(non_score_reward.sum(1, keepdim=True), (kl.shape[1] - 1, 0))  # (B, T): 0, ..., total
     rewards = non_score_reward.clone()
     rewards[:, -1] += scores
-    return kl, non_score_reward, rewards
+    return non_score_reward, rewards
+
+
+def kl_estimates(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-token estimators of KL(policy || reference) from the policy's own samples (Schulman, "Approximating KL
+    divergence"), (B, T) each: k1 = log p / p_ref (OAI's, the penalty's), k2 = ½ (log p_ref / p)², k3 = p_ref / p - 1 -
+    log p_ref / p. The penalty above uses k1; k2 or k3 in its place is a change of this one line there."""
+    log_ratio = ref_logprobs - logprobs  # log(p_ref / p) of each sampled token
+    return {"k1": -log_ratio, "k2": 0.5 * log_ratio**2, "k3": log_ratio.exp() - 1 - log_ratio}
 
 
 def whiten(values: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
@@ -718,30 +695,15 @@ def minibatches(batch_size: int, shares: int, nminibatches: int, device) -> tupl
     return order.chunk(nminibatches, dim=1)
 
 
-def append_stats(stats: dict, new: dict) -> None:
-    for key, value in new.items():
-        stats.setdefault(key, []).append(value)
-
-
-def share_moments(returns: torch.Tensor, values: torch.Tensor) -> dict:
-    """Mean and (biased) variance of the returns and values of each whitening share of a minibatch, averaged over the
-    shares: OAI's per-rank-minibatch `ppo/returns/*` and `ppo/val/{mean,var}` (exact also with gradient accumulation)."""
-    stats = {}
-    for key, x in (("ppo/returns", returns), ("ppo/val", values)):  # (G, rows, T)
-        stats[f"{key}/mean"], stats[f"{key}/var"] = x.mean(), x.var((1, 2), unbiased=False).mean()
-    return stats
-
-
 def main(args: Args) -> None:
     args = validate_args(args)  # derived sizes, flag checks (this and the other named tooling: below main)
     tokenizer, texts = read_inputs(args)  # checked before any model loads
     if args.dry_run:
         return run_utils.print_dry_run(args, DRY_RUN_SIZES)
-    task, ppo = args.task, args.ppo
-    pad_id, cut_token_id = tokenizer.pad_token_id, truncate_token_id(tokenizer, task)
+    task, ppo, pad_id, chunk = args.task, args.ppo, tokenizer.pad_token_id, args.local_rollout_forward_batch_size
+    truncate_token_id = single_token_id(tokenizer, task.truncate_token, "--task.truncate-token")
     scale = task.temperature if task.scale_logprobs else 1.0  # the log-probs' logits are divided by it
-    accelerator = Accelerator(gradient_accumulation_steps=ppo.gradient_accumulation_steps,
-                              mixed_precision=args.mixed_precision, kwargs_handlers=run_utils.ddp_options())  # fmt: skip
+    accelerator = run_utils.make_accelerator(args, ppo.gradient_accumulation_steps)
     run = run_utils.Run(args, accelerator, "policy", RESUME_MAY_CHANGE, step_name="update")  # files, resume, signals
     if run.finished:
         return
@@ -753,9 +715,10 @@ def main(args: Args) -> None:
     train_forward = torch.compile(policy) if args.compile else policy  # fixed shapes: compiled once
     # detail: different seeds for different processes — seed + rank * 100003 (OAI utils/core.py set_mpi_seed)
     torch.manual_seed(args.seed + accelerator.process_index * RANK_SEED_STRIDE)
-    gold = GoldEvaluation(args, texts, tokenizer, scale) if task.gold_labeler else None  # held-out queries
-    stream = QueryStream(texts, tokenizer, task, pad_id, args.seed, accelerator.process_index,
-                         accelerator.num_processes, exclude=gold.texts if gold else frozenset())  # fmt: skip
+    gold = GoldEvaluation(args, texts, tokenizer, scale)  # --task.gold-labeler: held-out queries (else no-ops)
+    stream = QueryStream(
+        texts, tokenizer, task, pad_id, args.seed, accelerator.process_index, accelerator.num_processes, gold.texts
+    )
     kl_ctl = FixedKLController(args.rewards.kl_coef)
     if args.rewards.use_adaptive_kl:
         kl_ctl = AdaptiveKLController(args.rewards.kl_coef, **vars(args.rewards.adaptive_kl))
@@ -763,8 +726,7 @@ def main(args: Args) -> None:
     if state is not None:
         stream.load_state(state["process"]["stream"])
         kl_ctl.value = state["kl_coef"]
-    if gold:  # update 0, the "before" point (or the evaluations of the run resumed)
-        gold.start(run, accelerator, (unwrapped, ref_lm, reward_model), state)
+    gold.start(run, accelerator, (unwrapped, ref_lm, reward_model), state)  # update 0, the "before" point
     for update in run.progress(range(run.start_step + 1, args.num_updates + 1), "PPO"):
         timer = run_utils.PhaseTimer(device)
         lr = linear_lr(ppo.lr, update - 1, args.num_updates)  # per update, constant within it
@@ -776,22 +738,23 @@ def main(args: Args) -> None:
         with accelerator.autocast():  # a no-op unless --mixed-precision bf16
             # 1. rollout: sample responses, then the log-probs of the policy and of the reference policy and the
             # values, from one forward each over query ⊕ response
-            responses = generate_responses(unwrapped.lm, contexts, pad_id, task.response_length, task.temperature,
-                                           args.local_rollout_forward_batch_size)  # fmt: skip
+            responses = generate_responses(
+                unwrapped.lm, contexts, pad_id, task.response_length, task.temperature, chunk
+            )
             timer("time/generation")
             query_responses = torch.cat([contexts, responses], 1)  # (B, C' + T)
-            logprobs, ref_logprobs, values = rollout_logprobs(unwrapped, ref_lm, query_responses, contexts.shape[1],
-                                                              pad_id, scale, args.micro_batch_size)  # fmt: skip
+            logprobs, ref_logprobs, values = rollout_logprobs(
+                unwrapped, ref_lm, query_responses, contexts.shape[1], pad_id, scale, args.micro_batch_size
+            )
             timer("time/logprobs")
             # 2. post-process responses and score them: truncation after the truncate token, and the penalty score
             # for a response without one after truncate_after
-            postprocessed_responses, scores = score_responses(reward_model, queries, responses, cut_token_id, task,
-                                                              args.local_rollout_forward_batch_size)  # fmt: skip
+            postprocessed_responses, scores = score_responses(
+                reward_model, queries, responses, truncate_token_id, task, chunk
+            )
         timer("time/scoring")
         # 3. per-token KL rewards, the score added on the last token
-        kl, non_score_reward, rewards = compute_rewards(
-            scores, logprobs, ref_logprobs, kl_coef, args.rewards.per_token_kl
-        )
+        non_score_reward, rewards = compute_rewards(scores, logprobs, ref_logprobs, kl_coef, args.rewards.per_token_kl)
         # 4. PPO epochs; in each minibatch: whiten the rewards, GAE, whiten the advantages, clipped losses, one step
         # detail: batches and minibatches — a fresh shuffle every epoch, one optimizer step per minibatch, its
         # micro-batches only accumulate gradients (OAI train_policy.py PPOTrainer.train)
@@ -802,14 +765,14 @@ def main(args: Args) -> None:
                 # (G, rows) row ids: whitening and GAE per share of the minibatch, as each of OAI's ranks did
                 advantages, returns = compute_advantages(rewards[share_rows], values[share_rows], ppo)  # (G, rows, T)
                 append_stats(stats, share_moments(returns, values[share_rows]))
-                rows, advantages, returns = share_rows.flatten(), advantages.flatten(0, 1), returns.flatten(0, 1)
-                for micro in torch.arange(len(rows), device=device).split(args.micro_batch_size):  # accumulation
-                    ids = rows[micro]  # rows of the batch; `micro` indexes the minibatch's advantages and returns
+                pieces = (share_rows.flatten(), advantages.flatten(0, 1), returns.flatten(0, 1))  # the minibatch's rows
+                for ids, mb_advantage, mb_return in zip(*(x.split(args.micro_batch_size) for x in pieces), strict=True):
                     with accelerator.accumulate(policy):
                         logits, vpred = train_forward(query_responses[ids], contexts.shape[1], pad_id, scale)
                         new_logprobs, entropy = logprobs_from_logits(logits, responses[ids], with_entropy=True)
-                        loss, micro_stats = ppo_losses(new_logprobs, vpred.float(), logprobs[ids], values[ids],
-                                                       advantages[micro], returns[micro], ppo)  # fmt: skip
+                        loss, micro_stats = ppo_losses(
+                            new_logprobs, vpred.float(), logprobs[ids], values[ids], mb_advantage, mb_return, ppo
+                        )
                         accelerator.backward(loss)
                         optimizer.step()
                         optimizer.zero_grad()
@@ -817,21 +780,19 @@ def main(args: Args) -> None:
         policy.eval()
         timer("time/ppo_epochs")
         # 5. statistics: every metric averaged over all micro-batches and processes in one collective, OAI's names
-        rollout = dict(queries=queries, contexts=contexts, responses=postprocessed_responses, scores=scores,
-                       logprobs=logprobs, ref_logprobs=ref_logprobs, non_score_reward=non_score_reward)  # fmt: skip
-        row = record_update(run, update, stats, rollout, timer, args, kl_coef=kl_coef, lr=lr, policy=unwrapped,
-                            tokenizer=tokenizer)  # fmt: skip
+        rollout = dict(queries=queries, contexts=contexts, responses=postprocessed_responses, scores=scores)
+        rollout.update(logprobs=logprobs, ref_logprobs=ref_logprobs, non_score_reward=non_score_reward)
+        row = record_update(
+            run, update, stats, rollout, timer, args, kl_coef=kl_coef, lr=lr, policy=unwrapped, tokenizer=tokenizer
+        )
         # 6. adaptive KL: kl_coef moves towards the KL target, from this update's KL averaged over all processes
         kl_ctl.update(row["objective/kl"], ppo.batch_size)
         # 7. log: the metrics, with every --eval-every updates the gold evaluation of the held-out queries
-        if gold and (update % args.eval_every == 0 or update == args.num_updates):
-            row.update(gold.evaluate(update))
-        run.log(row, update)
+        run.log({**row, **gold.evaluate_if_due(update)}, update)
         # 8. checkpoint: every --checkpoint-every updates, and on SIGTERM / Ctrl-C, after which the run stops
-        run.checkpoint_if_due(update, {"kl_coef": kl_ctl.value, **(gold.state() if gold else {})},
-                              {"stream": stream.state()})  # fmt: skip
-    if gold:
-        gold.summary()
+        shared_state = {"kl_coef": kl_ctl.value, **gold.state()}
+        run.checkpoint_if_due(update, state=shared_state, process_state={"stream": stream.state()})
+    gold.summary()
     # 9. save
     run.save_result(lambda directory: save_policy(unwrapped, directory, args.base_model))
     run.close()
@@ -846,6 +807,8 @@ SAMPLE_ROWS = 4  # rows of the sample table printed to the console
 DRY_RUN_SIZES = ("world_size", "local_batch_size", "local_mini_batch_size", "micro_batch_size", "num_updates")
 RESUME_MAY_CHANGE = {"local_batch_size", "local_mini_batch_size", "micro_batch_size", "local_whitening_ranks"}
 """Per-process sizes a resumed run may recompute (the checkpoint's number of processes is checked instead)."""
+LABELER_PACKAGES = {"sentiment": "vaderSentiment", "descriptiveness": "textblob"}
+"""each simulated labeler's package (its import name is its pip name): checked before any model loads"""
 POLICY_FLAG_RANGES = {
     **dict.fromkeys(("ppo.total_episodes", "ppo.batch_size", "ppo.nminibatches", "ppo.noptepochs",
                      "ppo.gradient_accumulation_steps", "ppo.whitening_ranks", "rewards.adaptive_kl.horizon",
@@ -942,7 +905,7 @@ def read_inputs(args: Args):
         with run_utils.flag_errors("--base-model", args.base_model, "cannot load a tokenizer and model config"):
             tokenizer, config = load_tokenizer(args.base_model), config_without_dropout(args.base_model)
         run_utils.check_base_model(args, tokenizer, config)
-        truncate_token_id(tokenizer, task)
+        single_token_id(tokenizer, task.truncate_token, "--task.truncate-token")
     else:
         vocabulary = "--rewards.trained-model's vocabulary, " if args.rewards.function is None else ""
         run_utils.NOT_CHECKED.append(f"what needs --base-model's tokenizer: --task.truncate-token, the lengths against "
@@ -1069,6 +1032,21 @@ def reward_callable(spec: str):
     return run_utils.import_callable(spec, "--rewards.function")
 
 
+def append_stats(stats: dict, new: dict) -> None:
+    """Each of `new`'s metrics appended to its list in `stats` (one value per micro-batch or minibatch)."""
+    for key, value in new.items():
+        stats.setdefault(key, []).append(value)
+
+
+def share_moments(returns: torch.Tensor, values: torch.Tensor) -> dict:
+    """Mean and (biased) variance of the returns and values of each whitening share of a minibatch, averaged over the
+    shares: OAI's per-rank-minibatch `ppo/returns/*` and `ppo/val/{mean,var}` (exact also with gradient accumulation)."""
+    stats = {}
+    for key, x in (("ppo/returns", returns), ("ppo/val", values)):  # (G, rows, T)
+        stats[f"{key}/mean"], stats[f"{key}/var"] = x.mean(), x.var((1, 2), unbiased=False).mean()
+    return stats
+
+
 def record_update(run, update: int, stats: dict, rollout: dict, timer, args: Args, *, kl_coef: float, lr: float,
                   policy: PolicyAndValueWrapper, tokenizer) -> dict:  # fmt: skip
     """The update's metrics row (OAI train_policy.py record_step_stats): the rollout's objective/* (the KL also by
@@ -1078,12 +1056,13 @@ def record_update(run, update: int, stats: dict, rollout: dict, timer, args: Arg
     updates (and the first and last) a table of samples and a progress line; at the last update, the processes'
     parameter spread."""
     accelerator, ppo = run.accelerator, args.ppo
-    log_ratio = rollout["ref_logprobs"] - rollout["logprobs"]  # log(p_ref / p_policy) of each sampled token, (B, T)
+    estimates = kl_estimates(rollout["logprobs"], rollout["ref_logprobs"])  # (B, T) each
+    kl = {key: value.sum(1) for key, value in estimates.items()}  # (B,): per response
     non_score_reward, scores = rollout["non_score_reward"].sum(1), rollout["scores"]
     rollout_stats = {
-        "objective/kl": -log_ratio.sum(1).mean(),  # k1, OAI's: the KL the penalty uses
-        "objective/kl_k2": (0.5 * log_ratio**2).sum(1).mean(),
-        "objective/kl_k3": (log_ratio.exp() - 1 - log_ratio).sum(1).mean(),
+        "objective/kl": kl["k1"].mean(),  # OAI's: the KL the penalty uses
+        "objective/kl_k2": kl["k2"].mean(),
+        "objective/kl_k3": kl["k3"].mean(),
         "objective/entropy": (-rollout["logprobs"]).sum(1).mean(),
         "objective/non_score_reward": non_score_reward.mean(),
         "objective/scores": scores.mean(),
@@ -1121,7 +1100,7 @@ def record_update(run, update: int, stats: dict, rollout: dict, timer, args: Arg
             "query": decode(tokenizer, rollout["queries"][:SAMPLE_ROWS]),
             "response": decode(tokenizer, rollout["responses"][:SAMPLE_ROWS]),
             "score": scores[:SAMPLE_ROWS].tolist(),
-            "kl": (-log_ratio[:SAMPLE_ROWS]).sum(1).tolist(),
+            "kl": kl["k1"][:SAMPLE_ROWS].tolist(),
             "total_reward": (scores + non_score_reward)[:SAMPLE_ROWS].tolist(),
         }
         run.samples("samples.jsonl", update, table)  # a table on the console, TensorBoard, wandb; samples.jsonl
@@ -1168,27 +1147,37 @@ class GoldEvaluation:
     """--task.gold-labeler: the held-out queries (`texts`, those read for them, are kept out of training), sampled
     with the same seed at update 0 (the pretrained policy, the "before" point), every --eval-every updates and at the
     end; the learned reward model's score (eval/rm_score, penalty applied) next to the simulated labeler's
-    (eval/gold_score) on the post-processed text, and the KL. Every sample goes to eval_samples.jsonl."""
+    (eval/gold_score) on the post-processed text, and the KL. Every sample goes to eval_samples.jsonl. Without
+    --task.gold-labeler it holds nothing out and does nothing."""
 
     def __init__(self, args: Args, texts, tokenizer, scale: float):
-        self.args, self.tokenizer, self.scale = args, tokenizer, scale
-        self.queries, self.contexts, self.texts = held_out_queries(texts, tokenizer, args.task, args.eval_queries)
-        self.initial, self.last = {}, {}
+        self.args, self.tokenizer, self.scale, self.on = args, tokenizer, scale, args.task.gold_labeler is not None
+        self.texts, self.initial, self.last = frozenset(), {}, {}
+        if self.on:
+            self.queries, self.contexts, self.texts = held_out_queries(texts, tokenizer, args.task, args.eval_queries)
+            self.truncate_token_id = single_token_id(tokenizer, args.task.truncate_token, "--task.truncate-token")
 
     def start(self, run, accelerator, models: tuple, state: Optional[dict]) -> None:
         """The models (policy, reference, reward model) to evaluate; update 0's evaluation, or the resumed run's."""
         self.run, self.accelerator, self.models = run, accelerator, models
-        if state is not None:
+        if state is not None and self.on:
             self.initial, self.last = state["initial_eval"], state["last_eval"]
-            return
-        self.initial = self.evaluate(0)
-        run.log({"update": 0, "episode": 0, **self.initial}, 0)
+        elif self.on:
+            self.initial = self.evaluate(0)
+            run.log({"update": 0, "episode": 0, **self.initial}, 0)
 
     def state(self) -> dict:
-        return {"initial_eval": self.initial, "last_eval": self.last}
+        return {"initial_eval": self.initial, "last_eval": self.last} if self.on else {}
 
     def summary(self) -> None:
-        self.run.print(", ".join(f"{key} {self.initial[key]:.4f} -> {self.last[key]:.4f}" for key in self.initial))
+        if self.on:
+            self.run.print(", ".join(f"{key} {self.initial[key]:.4f} -> {self.last[key]:.4f}" for key in self.initial))
+
+    def evaluate_if_due(self, update: int) -> dict:
+        """The evaluation's metrics every --eval-every updates and at the last one; else none."""
+        if self.on and (update % self.args.eval_every == 0 or update == self.args.num_updates):
+            return self.evaluate(update)
+        return {}
 
     @torch.no_grad()
     def evaluate(self, update: int) -> dict:
@@ -1206,8 +1195,7 @@ class GoldEvaluation:
             query_responses = torch.cat([contexts.repeat_interleave(samples, 0), responses], 1)
             logprobs, ref_logprobs, _ = rollout_logprobs(policy, ref_lm, query_responses, contexts.shape[1], pad_id,
                                                          self.scale, args.micro_batch_size)  # fmt: skip
-            postprocessed, scores = score_responses(reward_model, queries, responses,
-                                                    truncate_token_id(tokenizer, task), task,
+            postprocessed, scores = score_responses(reward_model, queries, responses, self.truncate_token_id, task,
                                                     args.local_rollout_forward_batch_size)  # fmt: skip
         texts = decode(tokenizer, postprocessed)
         gold = simulated_labeler_scores(task.gold_labeler, texts)
@@ -1271,12 +1259,52 @@ def fused_gelu(config):
     return config
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Numerics and compatibility the shared pipeline calls, in the same verbatim copy: the heads' products in fp32 as
+# OAI computed them, and the KV cache's keyword across transformers versions.
+# ---------------------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def fp32_products(device_type: str):
+    """Inside: matrix products in IEEE fp32, as OAI computed its heads: bf16 autocast off, and TF32 off also where
+    --allow-tf32 turned it on for the trunk (restored on leaving). The functions that use it are kept out of
+    torch.compile (torch.compiler.disable): a compiled kernel reads the TF32 flag when it runs, not where the code
+    set it."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.autocast(device_type, enabled=False):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
 def cache_argument(lm: nn.Module, kv_cache) -> dict:
     """The KV cache as the keyword lm.base_model's forward takes it: newer transformers name it `cache`, older ones
     (those the GPU nodes may have preinstalled) `past_key_values`."""
     # plain form: return {"past_key_values": kv_cache}
     parameters = inspect.signature(lm.base_model.forward).parameters
     return {"cache" if "cache" in parameters else "past_key_values": kv_cache}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The simulated labelers: offline stand-ins for OAI's human labelers (--labels.source, --task.gold-labeler,
+# --rewards.function), in the same verbatim copy.
+# ---------------------------------------------------------------------------------------------------------------------
+def simulated_labeler_scores(labeler: str, texts: list[str]) -> list[float]:
+    """Offline stand-ins for OAI's human labelers: `sentiment` = VADER compound score in [-1, 1]; `descriptiveness` =
+    share of adjective/adverb tags (textblob's offline PatternTagger) among the words."""
+    if labeler == "sentiment":
+        from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+        analyzer = SentimentIntensityAnalyzer()
+        return [analyzer.polarity_scores(text)["compound"] for text in texts]
+    from textblob.en.taggers import PatternTagger
+
+    tagger, scores = PatternTagger(), []
+    for text in texts:
+        tags = [tag for word, tag in tagger.tag(text) if any(c.isalpha() for c in word)]
+        scores.append(sum(tag.startswith(("JJ", "RB")) for tag in tags) / max(len(tags), 1))
+    return scores
 
 
 # ---------------------------------------------------------------------------------------------------------------------

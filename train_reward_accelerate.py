@@ -37,7 +37,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
-from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -135,14 +134,16 @@ class Args(run_utils.RunArgs):
     labels: LabelHParams = field(default_factory=LabelHParams)
     task: TaskHParams = field(default_factory=TaskHParams)
     local_batch_size: tyro.conf.Suppress[Optional[int]] = None
+    """--batch-size / processes: a step's label records on one process (computed in validate_args)"""
     local_rollout_batch_size: tyro.conf.Suppress[Optional[int]] = None
+    """--rollout-batch-size / processes: a normalization round's responses on one process (computed)"""
     local_eval_batch_size: tyro.conf.Suppress[Optional[int]] = None
+    """--eval-batch-size / processes: the held-out records of one evaluation forward on one process (computed)"""
     num_updates: tyro.conf.Suppress[Optional[int]] = None
+    """--labels.num-train / --batch-size: the training steps of the run (computed)"""
 
 
-OPENAI_PAD_ID = (
-    50259  # OAI's pad id for GPT-2's encoding (language/encodings.py: len(encoder) + 2); its label files use it
-)
+OPENAI_PAD_ID = 50259  # OAI's pad id, len(encoder) + 2 (language/encodings.py): its label files use it
 RANK_SEED_STRIDE = 100003  # process i samples with seed + i * RANK_SEED_STRIDE (a prime, so streams never collide)
 NUM_SAMPLES = 4  # best-of-4
 
@@ -166,11 +167,11 @@ def load_tokenizer(name_or_path: str):
     return tokenizer
 
 
-def truncate_token_id(tokenizer, task) -> int:
-    """The id of --task.truncate-token, which must be one token ('.' is 13 in GPT-2, '\\n' 198)."""
-    ids = tokenizer.encode(task.truncate_token, add_special_tokens=False)
+def single_token_id(tokenizer, text: str, flag: str) -> int:
+    """The id of `text`, the value of `flag`, which must be one token ('.' is 13 in GPT-2, '\\n' 198)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) != 1:
-        run_utils.fail(f"--task.truncate-token {task.truncate_token!r} is {len(ids)} tokens, not 1")
+        run_utils.fail(f"{flag} {text!r} is {len(ids)} tokens, not 1")
     return ids[0]
 
 
@@ -213,21 +214,6 @@ def padded_forward(backbone: nn.Module, tokens: torch.Tensor, pad_id: int) -> to
     input_ids = torch.where(attention_mask, tokens, 0)
     output = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return output.last_hidden_state
-
-
-@contextlib.contextmanager
-def fp32_products(device_type: str):
-    """Inside: matrix products in IEEE fp32, as OAI computed its heads: bf16 autocast off, and TF32 off also where
-    --allow-tf32 turned it on for the trunk (restored on leaving). The functions that use it are kept out of
-    torch.compile (torch.compiler.disable): a compiled kernel reads the TF32 flag when it runs, not where the code
-    set it."""
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        with torch.autocast(device_type, enabled=False):
-            yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 @torch.compiler.disable
@@ -334,22 +320,26 @@ def query_from_text(tokenizer, text_tokens: list[int], task, pad_id: int) -> Opt
     # end_text; texts without start or end text yield no query
     tokens = text_tokens
     if task.start_text:
-        start = tokenizer.encode(task.start_text, add_special_tokens=False)
-        hits = [i for i in range(len(tokens) - len(start) + 1) if tokens[i : i + len(start)] == start]
+        start, hits = find(tokenizer, tokens, task.start_text)
         if not hits:
             return None
         if hits[0] + len(start) < len(tokens):
             tokens = tokens[hits[0] + len(start) :]
     tokens = tokens[: task.query_length]
     if task.end_text:
-        end = tokenizer.encode(task.end_text, add_special_tokens=False)
-        hits = [i for i in range(len(tokens) - len(end) + 1) if tokens[i : i + len(end)] == end]
+        end, hits = find(tokenizer, tokens, task.end_text)
         if not hits:
             return None
         tokens = tokens[: hits[-1] + len(end)]
     if not tokens:
         return None
     return tokens + [pad_id] * (task.query_length - len(tokens))
+
+
+def find(tokenizer, tokens: list[int], text: str) -> tuple[list[int], list[int]]:
+    """`text`'s tokens and where they start in `tokens`."""
+    pattern = tokenizer.encode(text, add_special_tokens=False)
+    return pattern, [i for i in range(len(tokens) - len(pattern) + 1) if tokens[i : i + len(pattern)] == pattern]
 
 
 class QueryStream:
@@ -436,27 +426,6 @@ class RewardModel(nn.Module):
             return self.reward_gain * self.scalar_head(hidden.to(self.reward_gain.dtype)).squeeze(-1) + self.reward_bias
 
 
-LABELER_PACKAGES = {"sentiment": "vaderSentiment", "descriptiveness": "textblob"}
-"""each simulated labeler's package (its import name is its pip name): checked before any model loads"""
-
-
-def simulated_labeler_scores(labeler: str, texts: list[str]) -> list[float]:
-    """Offline stand-ins for OAI's human labelers: `sentiment` = VADER compound score in [-1, 1]; `descriptiveness` =
-    share of adjective/adverb tags (textblob's offline PatternTagger) among the words."""
-    if labeler == "sentiment":
-        from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
-
-        analyzer = SentimentIntensityAnalyzer()
-        return [analyzer.polarity_scores(text)["compound"] for text in texts]
-    from textblob.en.taggers import PatternTagger
-
-    tagger, scores = PatternTagger(), []
-    for text in texts:
-        tags = [tag for word, tag in tagger.tag(text) if any(c.isalpha() for c in word)]
-        scores.append(sum(tag.startswith(("JJ", "RB")) for tag in tags) / max(len(tags), 1))
-    return scores
-
-
 def decode(tokenizer, tokens: torch.Tensor) -> list[str]:
     return tokenizer.batch_decode(tokens, skip_special_tokens=True)
 
@@ -466,51 +435,36 @@ def decode(tokenizer, tokens: torch.Tensor) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-class BestOfNRewardModel(RewardModel):
-    """The reward model as this script trains it: RewardModel, whose forward also takes n responses to each query,
-    (B, C) and (B, n, T) -> (B, n), from one row [query, response_1, ..., response_n] per query, so that each query's
-    tokens go through the backbone once: its attention mask lets response i see the query and itself only, and its
-    positions restart after the query for each response (the same rewards as RewardModel's forward of the n rows
-    query ⊕ response_i, up to float rounding)."""
-
-    def forward(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
-        if responses.dim() == 2:
-            return super().forward(queries, responses)
-        (batch, n, length), query_length = responses.shape, queries.shape[1]
-        tokens = torch.cat([queries, responses.flatten(1)], 1)  # (B, L = C + nT)
-        is_token, index = tokens != self.pad_id, torch.arange(tokens.shape[1], device=tokens.device)
-        part = F.pad(index[: n * length] // length + 1, (query_length, 0))  # (L,): 0 the query, i response i
-        sees = (index[None] <= index[:, None]) & ((part[None] == 0) | (part[None] == part[:, None]))  # (L, L)
-        # as padded_forward: no token sees a pad, pads don't advance the positions (a pad sees itself, so that no
-        # softmax row is empty; nothing reads its output)
-        sees = sees & is_token[:, None, :] | torch.eye(len(index), dtype=torch.bool, device=tokens.device)  # (B, L, L)
-        dtype = self.backbone.dtype  # an additive mask: eager and sdpa attention both take it as it is
-        mask = torch.zeros(sees.shape, dtype=dtype, device=tokens.device).masked_fill(~sees, torch.finfo(dtype).min)
-        in_query, in_response = is_token[:, :query_length], is_token[:, query_length:].view(batch, n, length)
-        query_positions = in_query.cumsum(1) - in_query.long()  # (B, C)
-        response_positions = in_query.sum(1)[:, None, None] + in_response.cumsum(2) - in_response.long()  # (B, n, T)
-        hidden = self.backbone(
-            input_ids=torch.where(is_token, tokens, 0),
-            attention_mask=mask[:, None],  # (B, 1, L, L)
-            position_ids=torch.cat([query_positions, response_positions.flatten(1)], 1),
-            use_cache=False,
-        ).last_hidden_state  # (B, L, d_model)
-        last_in_response = length - 1 - in_response.flip(2).int().argmax(2)  # (B, n)
-        last = torch.where(
-            in_response.any(2), query_length + length * torch.arange(n, device=tokens.device) + last_in_response,
-            query_length - 1,  # an empty response: the query's last token
-        )  # fmt: skip
-        return self.normalized_reward(hidden[torch.arange(batch, device=tokens.device)[:, None], last])
+@torch.no_grad()
+def label_records(ref_lm, query_stream: QueryStream, tokenizer, truncate_token_id: int, n: int, args: Args):
+    """n best-of-4 records in OAI's schema (query and samples padded with OPENAI_PAD_ID), without their pick yet: 4
+    sampled responses per query, truncated as OAI's labelers saw them, and the simulated labeler's score of each."""
+    pad_id, task = tokenizer.pad_token_id, args.task
+    queries = query_stream.next_batch(n).to(ref_lm.device)  # (n, C): bare, as in OAI's files
+    contexts = query_stream.format(queries)
+    responses = sample_responses(ref_lm, contexts, pad_id, task.response_length, task.temperature, NUM_SAMPLES)
+    responses, _ = truncate_responses(responses, truncate_token_id, task.truncate_after, pad_id)  # (4n, T)
+    scores = simulated_labeler_scores(args.labels.source, decode(tokenizer, responses))
+    records = []
+    for i in range(n):
+        rows = responses[i * NUM_SAMPLES : (i + 1) * NUM_SAMPLES].tolist()  # each query's 4 samples together
+        unpadded_query = queries[i][queries[i] != pad_id].tolist()
+        records.append({
+            "query": unpadded_query + [OPENAI_PAD_ID] * (task.query_length - len(unpadded_query)),
+            **{f"sample{j}": [OPENAI_PAD_ID if t == pad_id else t for t in row] for j, row in enumerate(rows)},
+            "scores": scores[i * NUM_SAMPLES : (i + 1) * NUM_SAMPLES],
+        })  # fmt: skip
+    return records
 
 
-def best_of_4_loss(reward_model: RewardModel, queries, samples, best):
-    """Cross-entropy of the 4 rewards against the labeler's pick, and accuracy (OAI label_types.py BestOfN); the 4
-    samples of a record go in one forward, which reads their query once (BestOfNRewardModel). Shapes: queries (B, C),
-    samples (B, 4, T), best (B,)."""
-    logits = reward_model(queries, samples).float()  # (B, 4), fp32 also under bf16
-    loss = F.cross_entropy(logits, best)
-    accuracy = (logits.argmax(1) == best).float().mean()
-    return loss, accuracy
+def labeler_picks(records: list[dict], labels: LabelHParams, seed: int) -> list[dict]:
+    """The noisy simulated labeler's pick of each record: sample i with probability softmax(beta * score)_i."""
+    rng = np.random.default_rng(seed)
+    for record in records:
+        logits = labels.labeler_beta * np.asarray(record["scores"])
+        probabilities = np.exp(logits - logits.max())
+        record["best"] = int(rng.choice(NUM_SAMPLES, p=probabilities / probabilities.sum()))
+    return records
 
 
 @torch.no_grad()
@@ -520,13 +474,12 @@ def sample_and_score(ref_lm, reward_model, query_stream: QueryStream, n: int, ar
     all_queries, all_responses, all_scores = [], [], []
     chunk = args.local_rollout_forward_batch_size
     for start in range(0, n, chunk):
-        query = query_stream.next_batch(min(chunk, n - start)).to(ref_lm.device)  # (b, C)
-        response = sample_responses(
-            ref_lm, query_stream.format(query), reward_model.pad_id, args.task.response_length, args.task.temperature
-        )
-        all_scores.append(reward_model(query, response))
-        all_queries.append(query)
-        all_responses.append(response)
+        queries = query_stream.next_batch(min(chunk, n - start)).to(ref_lm.device)  # (b, C)
+        contexts, task = query_stream.format(queries), args.task
+        responses = sample_responses(ref_lm, contexts, reward_model.pad_id, task.response_length, task.temperature)
+        all_scores.append(reward_model(queries, responses))
+        all_queries.append(queries)
+        all_responses.append(responses)
     return torch.cat(all_queries), torch.cat(all_responses), torch.cat(all_scores)
 
 
@@ -566,36 +519,14 @@ def normalize_reward(accelerator, ref_lm, reward_model: RewardModel, query_strea
     }
 
 
-@torch.no_grad()
-def label_records(ref_lm, query_stream: QueryStream, tokenizer, truncate_token_id: int, n: int, args: Args):
-    """n best-of-4 records in OAI's schema (query and samples padded with OPENAI_PAD_ID), without their pick yet: 4
-    sampled responses per query, truncated as OAI's labelers saw them, and the simulated labeler's score of each."""
-    pad_id, task = tokenizer.pad_token_id, args.task
-    query = query_stream.next_batch(n).to(ref_lm.device)  # (n, C): bare, as in OAI's files
-    response = sample_responses(ref_lm, query_stream.format(query), pad_id, task.response_length, task.temperature,
-                                NUM_SAMPLES)  # fmt: skip  # (4n, T): each query's 4 samples together
-    response, _ = truncate_responses(response, truncate_token_id, task.truncate_after, pad_id)
-    scores = simulated_labeler_scores(args.labels.source, decode(tokenizer, response))
-    records = []
-    for i in range(n):
-        rows = response[i * NUM_SAMPLES : (i + 1) * NUM_SAMPLES].tolist()
-        unpadded_query = query[i][query[i] != pad_id].tolist()
-        records.append({
-            "query": unpadded_query + [OPENAI_PAD_ID] * (task.query_length - len(unpadded_query)),
-            **{f"sample{j}": [OPENAI_PAD_ID if t == pad_id else t for t in row] for j, row in enumerate(rows)},
-            "scores": scores[i * NUM_SAMPLES : (i + 1) * NUM_SAMPLES],
-        })  # fmt: skip
-    return records
-
-
-def labeler_picks(records: list[dict], labels: LabelHParams, seed: int) -> list[dict]:
-    """The noisy simulated labeler's pick of each record: sample i with probability softmax(beta * score)_i."""
-    rng = np.random.default_rng(seed)
-    for record in records:
-        logits = labels.labeler_beta * np.asarray(record["scores"])
-        probabilities = np.exp(logits - logits.max())
-        record["best"] = int(rng.choice(NUM_SAMPLES, p=probabilities / probabilities.sum()))
-    return records
+def best_of_4_loss(reward_model: RewardModel, queries, samples, best):
+    """Cross-entropy of the 4 rewards against the labeler's pick, and accuracy (OAI label_types.py BestOfN); the 4
+    samples of a record go in one forward, which reads their query once (BestOfNRewardModel, below main). Shapes: queries (B, C),
+    samples (B, 4, T), best (B,)."""
+    logits = reward_model(queries, samples).float()  # (B, 4), fp32 also under bf16
+    loss = F.cross_entropy(logits, best)
+    accuracy = (logits.argmax(1) == best).float().mean()
+    return loss, accuracy
 
 
 @torch.no_grad()
@@ -619,9 +550,9 @@ def main(args: Args) -> None:
     tokenizer, labels, texts = read_inputs(args)  # checked before any model loads
     if args.dry_run:
         return run_utils.print_dry_run(args, DRY_RUN_SIZES)
-    task, pad_id, cut_token_id = args.task, tokenizer.pad_token_id, truncate_token_id(tokenizer, args.task)
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              mixed_precision=args.mixed_precision, kwargs_handlers=run_utils.ddp_options())  # fmt: skip
+    task, pad_id = args.task, tokenizer.pad_token_id
+    truncate_token_id = single_token_id(tokenizer, task.truncate_token, "--task.truncate-token")
+    accelerator = run_utils.make_accelerator(args, args.gradient_accumulation_steps)
     run = run_utils.Run(args, accelerator, "reward_model", RESUME_MAY_CHANGE)  # output dir, logs, resume, signals
     if run.finished:
         return
@@ -629,12 +560,13 @@ def main(args: Args) -> None:
     reward_model, ref_lm = load_reward_model_and_sampler(args, pad_id, device)
     # detail: different seeds for different processes — seed + rank * 100003 (OAI utils/core.py set_mpi_seed)
     torch.manual_seed(args.seed + accelerator.process_index * RANK_SEED_STRIDE)
-    query_stream = QueryStream(texts, tokenizer, task, pad_id, args.seed, accelerator.process_index,
-                               accelerator.num_processes)  # fmt: skip
+    query_stream = QueryStream(
+        texts, tokenizer, task, pad_id, args.seed, accelerator.process_index, accelerator.num_processes
+    )
     # 1. labels: from --label-dataset (read before any model loaded), or made here by a simulated labeler, once (a
     # resumed run reads what its first attempt made)
     if args.labels.source != "file":
-        labels = simulated_labels(run, accelerator, ref_lm, query_stream, tokenizer, cut_token_id, args)
+        labels = simulated_labels(run, accelerator, ref_lm, query_stream, tokenizer, truncate_token_id, args)
     # 2. normalize before (before the optimizer holds the weights: DeepSpeed's fp32 copy then starts from gain and bias)
     if run.checkpoint is None and args.normalize_before:
         run.log({"step": 0, **normalize_reward(accelerator, ref_lm, reward_model, query_stream, args, "before")}, 0)
@@ -659,7 +591,7 @@ def main(args: Args) -> None:
             group["lr"] = lr
         step_start = time.perf_counter()
         global_ids = order[(step - 1) * args.batch_size : step * args.batch_size]
-        local_ids = global_ids[accelerator.process_index * args.local_batch_size :][: args.local_batch_size]
+        local_ids = global_ids.chunk(accelerator.num_processes)[accelerator.process_index]  # this process's block
         stats = []
         for ids in local_ids.split(args.micro_batch_size):  # gradient accumulation: micro-batches of one step
             batch = [labels[k][ids].to(accelerator.device) for k in ("queries", "samples", "best")]
@@ -678,7 +610,7 @@ def main(args: Args) -> None:
             show_samples(run, step, row, ref_lm, unwrapped, query_stream, tokenizer, args)
             row["time/evaluation"] = time.perf_counter() - evaluation_start
         run.log(row, step)
-        run.checkpoint_if_due(step, {}, {"stream": query_stream.state()})  # and on SIGTERM / Ctrl-C
+        run.checkpoint_if_due(step, state={}, process_state={"stream": query_stream.state()})  # and on SIGTERM
     reward_model.eval()
     # 5. normalize after
     row = {"step": args.num_updates}
@@ -698,6 +630,8 @@ SAMPLE_ROWS = 4  # rows of the sample table printed to the console
 DRY_RUN_SIZES = ("world_size", "local_batch_size", "micro_batch_size", "num_updates")
 RESUME_MAY_CHANGE = {"local_batch_size", "micro_batch_size", "local_rollout_batch_size", "local_eval_batch_size"}
 """Per-process sizes a resumed run may recompute (the checkpoint's number of processes is checked instead)."""
+LABELER_PACKAGES = {"sentiment": "vaderSentiment", "descriptiveness": "textblob"}
+"""each simulated labeler's package (its import name is its pip name): checked before any model loads"""
 REWARD_FLAG_RANGES = {
     **dict.fromkeys(("batch_size", "gradient_accumulation_steps", "rollout_batch_size", "normalize_samples",
                      "eval_batch_size", "print_sample_output_freq", "local_rollout_forward_batch_size",
@@ -778,7 +712,7 @@ def read_inputs(args: Args):
         with run_utils.flag_errors("--base-model", args.base_model, "cannot load a tokenizer and model config"):
             tokenizer, config = load_tokenizer(args.base_model), config_without_dropout(args.base_model)
         run_utils.check_base_model(args, tokenizer, config)
-        truncate_token_id(tokenizer, task)
+        single_token_id(tokenizer, task.truncate_token, "--task.truncate-token")
     else:
         run_utils.NOT_CHECKED.append("what needs --base-model's tokenizer: --task.truncate-token, the lengths against "
                                      "its positions, the label file's token ids, that the query texts yield queries")  # fmt: skip
@@ -816,6 +750,45 @@ def load_labels(path: str, tokenizer, args: Args) -> Optional[dict[str, torch.Te
     queries, samples = (torch.where(x == OPENAI_PAD_ID, tokenizer.pad_token_id, x) for x in (queries, samples))
     best = torch.tensor([r["best"] for r in records])
     return dict(queries=right_padding_to_left_padding(queries, tokenizer.pad_token_id), samples=samples, best=best)
+
+
+class BestOfNRewardModel(RewardModel):
+    """A speed substitution (docs/speed.md): the reward model as this script trains it, RewardModel, whose forward also
+    takes n responses to each query,
+    (B, C) and (B, n, T) -> (B, n), from one row [query, response_1, ..., response_n] per query, so that each query's
+    tokens go through the backbone once: its attention mask lets response i see the query and itself only, and its
+    positions restart after the query for each response (the same rewards as RewardModel's forward of the n rows
+    query ⊕ response_i, up to float rounding)."""
+
+    def forward(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        # plain form: return super().forward(queries.repeat_interleave(n, 0), responses.flatten(0, 1)).view(B, n)
+        if responses.dim() == 2:
+            return super().forward(queries, responses)
+        (batch, n, length), query_length = responses.shape, queries.shape[1]
+        tokens = torch.cat([queries, responses.flatten(1)], 1)  # (B, L = C + nT)
+        is_token, index = tokens != self.pad_id, torch.arange(tokens.shape[1], device=tokens.device)
+        part = F.pad(index[: n * length] // length + 1, (query_length, 0))  # (L,): 0 the query, i response i
+        sees = (index[None] <= index[:, None]) & ((part[None] == 0) | (part[None] == part[:, None]))  # (L, L)
+        # as padded_forward: no token sees a pad, pads don't advance the positions (a pad sees itself, so that no
+        # softmax row is empty; nothing reads its output)
+        sees = sees & is_token[:, None, :] | torch.eye(len(index), dtype=torch.bool, device=tokens.device)  # (B, L, L)
+        dtype = self.backbone.dtype  # an additive mask: eager and sdpa attention both take it as it is
+        mask = torch.zeros(sees.shape, dtype=dtype, device=tokens.device).masked_fill(~sees, torch.finfo(dtype).min)
+        in_query, in_response = is_token[:, :query_length], is_token[:, query_length:].view(batch, n, length)
+        query_positions = in_query.cumsum(1) - in_query.long()  # (B, C)
+        response_positions = in_query.sum(1)[:, None, None] + in_response.cumsum(2) - in_response.long()  # (B, n, T)
+        hidden = self.backbone(
+            input_ids=torch.where(is_token, tokens, 0),
+            attention_mask=mask[:, None],  # (B, 1, L, L)
+            position_ids=torch.cat([query_positions, response_positions.flatten(1)], 1),
+            use_cache=False,
+        ).last_hidden_state  # (B, L, d_model)
+        last_in_response = length - 1 - in_response.flip(2).int().argmax(2)  # (B, n)
+        last = torch.where(
+            in_response.any(2), query_length + length * torch.arange(n, device=tokens.device) + last_in_response,
+            query_length - 1,  # an empty response: the query's last token
+        )  # fmt: skip
+        return self.normalized_reward(hidden[torch.arange(batch, device=tokens.device)[:, None], last])
 
 
 def load_reward_model_and_sampler(args: Args, pad_id: int, device) -> tuple[RewardModel, nn.Module]:
@@ -946,12 +919,52 @@ def fused_gelu(config):
     return config
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Numerics and compatibility the shared pipeline calls, in the same verbatim copy: the heads' products in fp32 as
+# OAI computed them, and the KV cache's keyword across transformers versions.
+# ---------------------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def fp32_products(device_type: str):
+    """Inside: matrix products in IEEE fp32, as OAI computed its heads: bf16 autocast off, and TF32 off also where
+    --allow-tf32 turned it on for the trunk (restored on leaving). The functions that use it are kept out of
+    torch.compile (torch.compiler.disable): a compiled kernel reads the TF32 flag when it runs, not where the code
+    set it."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.autocast(device_type, enabled=False):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
 def cache_argument(lm: nn.Module, kv_cache) -> dict:
     """The KV cache as the keyword lm.base_model's forward takes it: newer transformers name it `cache`, older ones
     (those the GPU nodes may have preinstalled) `past_key_values`."""
     # plain form: return {"past_key_values": kv_cache}
     parameters = inspect.signature(lm.base_model.forward).parameters
     return {"cache" if "cache" in parameters else "past_key_values": kv_cache}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The simulated labelers: offline stand-ins for OAI's human labelers (--labels.source, --task.gold-labeler,
+# --rewards.function), in the same verbatim copy.
+# ---------------------------------------------------------------------------------------------------------------------
+def simulated_labeler_scores(labeler: str, texts: list[str]) -> list[float]:
+    """Offline stand-ins for OAI's human labelers: `sentiment` = VADER compound score in [-1, 1]; `descriptiveness` =
+    share of adjective/adverb tags (textblob's offline PatternTagger) among the words."""
+    if labeler == "sentiment":
+        from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+        analyzer = SentimentIntensityAnalyzer()
+        return [analyzer.polarity_scores(text)["compound"] for text in texts]
+    from textblob.en.taggers import PatternTagger
+
+    tagger, scores = PatternTagger(), []
+    for text in texts:
+        tags = [tag for word, tag in tagger.tag(text) if any(c.isalpha() for c in word)]
+        scores.append(sum(tag.startswith(("JJ", "RB")) for tag in tags) / max(len(tags), 1))
+    return scores
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import memory_estimate
 import run_utils
 from benchmark.launch.launcher import suite_commands
 from tests.conftest import REPO, read_jsonl, run_script, script_environment
@@ -329,7 +330,7 @@ def test_check_launch_sizes_zero2s_buckets_unless_the_config_does():
     run_utils.check_launch(accelerator, SimpleNamespace(micro_batch_size=4))
     zero = accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]
     assert zero["stage"] == 2 and zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == 50_000_000
-    assert run_utils.ZERO_REDUCE_BUCKET == 4 * zero["reduce_bucket_size"]  # bytes in the estimate: fp32
+    assert memory_estimate.ZERO_REDUCE_BUCKET == 4 * zero["reduce_bucket_size"]  # bytes in the estimate: fp32
     own = {"stage": 2, "reduce_bucket_size": 10**8, "allgather_bucket_size": "auto"}
     accelerator = deepspeed_accelerator(zero_optimization=own)
     run_utils.check_launch(accelerator, SimpleNamespace(micro_batch_size=4))

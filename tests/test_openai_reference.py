@@ -122,8 +122,11 @@ def test_the_reference_records_what_openai_ran_and_was_given(name):
 
 @pytest.fixture(scope="module")
 def assets(gpt2_tokenizer_dir, tmp_path_factory) -> Path:
+    return side_by_side_assets(tmp_path_factory.mktemp("side_by_side") / "assets", gpt2_tokenizer_dir)
+
+
+def side_by_side_assets(root: Path, gpt2_tokenizer_dir: Path) -> Path:
     """The side-by-side's assets/ as OpenAI saw them: tokenizer, corpus, base model (rebuilt), labels (committed)."""
-    root = tmp_path_factory.mktemp("side_by_side") / "assets"
     shutil.copytree(gpt2_tokenizer_dir, root / "tokenizer")
     corpus = synthetic_sentences(S.CORPUS["lines"], S.CORPUS["seed"])
     (root / "corpus.txt").write_text("\n".join(corpus) + "\n")

@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import AutoTokenizer, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, GPT2LMHeadModel, LlamaForCausalLM
 
 import rlhf_data
 import train_policy_accelerate as P
-from tests.conftest import dominated_lm, one_line_error, tiny_gpt2_config
+from tests.conftest import dominated_lm, one_line_error, tiny_gpt2_config, tiny_llama_config
 
 PAD = 50257  # GPT-2's [PAD]: one past the 50257-token vocabulary
 EOS = 50256
@@ -165,8 +165,9 @@ def test_reward_function_returning_the_wrong_number_of_scores_is_one_line(gpt2_t
 def test_compute_rewards_kl_penalty_everywhere_score_on_the_last_token():
     logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.2, -0.1]])
     ref_logprobs = torch.tensor([[-1.5, -1.0, -0.5], [-0.1, -0.2, -0.6]])
-    kl, non_score_reward, rewards = P.compute_rewards(torch.tensor([2.0, -1.0]), logprobs, ref_logprobs, 0.1)
-    # kl = [[0.5, -1, 0], [-0.2, 0, 0.5]]; non_score = -0.1 kl; the score added at index T-1 only
+    non_score_reward, rewards = P.compute_rewards(torch.tensor([2.0, -1.0]), logprobs, ref_logprobs, 0.1)
+    # kl = [[0.5, -1, 0], [-0.2, 0, 0.5]] (k1); non_score = -0.1 kl; the score added at index T-1 only
+    kl = P.kl_estimates(logprobs, ref_logprobs)["k1"]
     torch.testing.assert_close(kl, torch.tensor([[0.5, -1.0, 0.0], [-0.2, 0.0, 0.5]]))
     torch.testing.assert_close(non_score_reward, torch.tensor([[-0.05, 0.1, 0.0], [0.02, 0.0, -0.05]]))
     torch.testing.assert_close(rewards, torch.tensor([[-0.05, 0.1, 2.0], [0.02, 0.0, -1.05]]))
@@ -177,7 +178,7 @@ def test_compute_rewards_score_at_t_minus_1_even_when_truncated_earlier():
     postprocessed, has_cut = P.truncate_responses(responses, DOT, 16, PAD)
     assert has_cut.item() and postprocessed[0, 19].item() == PAD  # the response ends at index 18
     zeros = torch.zeros(1, 24)
-    _, _, rewards = P.compute_rewards(torch.tensor([1.5]), zeros, zeros, 0.15)
+    _, rewards = P.compute_rewards(torch.tensor([1.5]), zeros, zeros, 0.15)
     assert rewards[0, 23].item() == 1.5
     assert rewards[0, :23].abs().sum().item() == 0.0  # not at 18, the last real token
 
@@ -187,8 +188,7 @@ def test_no_per_token_kl_puts_the_same_total_penalty_on_the_last_token_only():
     logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.2, -0.1]])
     ref_logprobs = torch.tensor([[-1.5, -1.0, -0.5], [-0.1, -0.2, -0.6]])
     scores = torch.tensor([2.0, -1.0])
-    kl, non_score_reward, rewards = P.compute_rewards(scores, logprobs, ref_logprobs, 0.1, per_token=False)
-    torch.testing.assert_close(kl, torch.tensor([[0.5, -1.0, 0.0], [-0.2, 0.0, 0.5]]))  # the KL itself unchanged
+    non_score_reward, rewards = P.compute_rewards(scores, logprobs, ref_logprobs, 0.1, per_token=False)
     # row sums of -0.1 kl: 0.05 and -0.03, at index T-1 only
     torch.testing.assert_close(non_score_reward, torch.tensor([[0.0, 0.0, 0.05], [0.0, 0.0, -0.03]]))
     torch.testing.assert_close(rewards, torch.tensor([[0.0, 0.0, 2.05], [0.0, 0.0, -1.03]]))
@@ -508,16 +508,7 @@ def make_lm(kind: str) -> nn.Module:
     torch.manual_seed(0)
     if kind == "gpt2":
         return GPT2LMHeadModel(tiny_gpt2_config()).eval()
-    config = LlamaConfig(
-        vocab_size=1000,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    return LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(tiny_llama_config()).eval()
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])

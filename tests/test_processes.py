@@ -14,7 +14,6 @@ Tolerance: the same sums in another order (a mean over 32 rows on 1 process, a m
 or ZeRO's all-reduce), float32 rounding that Adam's normalized steps carry on: measured (docs/side-by-side.md) at most
 METRICS_RTOL / 10 of a metric's largest value over the run, WEIGHTS_RTOL / 10 of a weight's change."""
 
-import gzip
 import shutil
 import subprocess
 import sys
@@ -26,10 +25,10 @@ import torch
 from safetensors.torch import load_file
 
 from benchmark.openai import side_by_side as S
-from tests.conftest import REPO, failure, read_jsonl, run_script, script_environment, tiny_gpt2_from_cache
+from tests.conftest import REPO, failure, read_jsonl, run_script, script_environment
 from tests.test_deepspeed import ZERO2_CONFIG, free_port
+from tests.test_openai_reference import side_by_side_assets
 from tests.test_resume import without_timings
-from tests.tiny_task import synthetic_sentences
 
 REFERENCE = REPO / "benchmark" / "openai" / "side_by_side_reference"
 METRICS_RTOL = 5e-4  # each metric, relative to its largest value over the run
@@ -45,13 +44,7 @@ LAUNCHES = ("1 process", "2 processes", "2 processes, ZeRO-2")
 @pytest.fixture(scope="module")
 def assets(gpt2_tokenizer_dir, tmp_path_factory) -> Path:
     """The side by side's tiny task: tokenizer, corpus, base model, the reference's labels."""
-    root = tmp_path_factory.mktemp("processes") / "assets"
-    shutil.copytree(gpt2_tokenizer_dir, root / "tokenizer")
-    corpus = synthetic_sentences(S.CORPUS["lines"], S.CORPUS["seed"])
-    (root / "corpus.txt").write_text("\n".join(corpus) + "\n")
-    tiny_gpt2_from_cache(root / "base", gpt2_tokenizer_dir, corpus, **S.BASE_MODEL)
-    (root / "labels.json").write_bytes(gzip.decompress((REFERENCE / "labels.json.gz").read_bytes()))
-    return root
+    return side_by_side_assets(tmp_path_factory.mktemp("processes") / "assets", gpt2_tokenizer_dir)
 
 
 def launch(how: str, arguments: list[str], log: Path) -> None:

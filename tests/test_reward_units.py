@@ -20,7 +20,6 @@ from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
     GPT2Model,
-    LlamaConfig,
     LlamaModel,
 )
 
@@ -28,24 +27,11 @@ import rlhf_data
 import run_utils
 import train_policy_accelerate as P
 import train_reward_accelerate as R
-from tests.conftest import dominated_lm, one_line_error, tiny_gpt2_config
+from tests.conftest import dominated_lm, one_line_error, tiny_gpt2_config, tiny_llama_config
 
 PAD = 50257  # GPT-2's [PAD]: one past the 50257-token vocabulary
 EOS = 50256
 DOT = 13  # '.'
-
-
-def tiny_llama_config(**kwargs) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=1000,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        **kwargs,
-    )
 
 
 @pytest.fixture(scope="module")

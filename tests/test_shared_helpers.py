@@ -119,10 +119,12 @@ def test_shared_block_is_byte_identical():
 
 
 def test_the_paper_comes_before_main_and_the_machine_after():
-    """The algorithm is read from the first line to the end of main: the speed substitutions and the tooling (input
-    checks, loading, records, saving) sit below it, and nothing above it calls run tooling but main itself."""
+    """The algorithm is read from the first line to the end of main: the speed substitutions (the reward model's
+    best-of-n forward among them), the numerics and compatibility helpers, the simulated labelers and the tooling
+    (input checks, loading, the metrics' helpers, records, saving) sit below it."""
     below = {"validate_args", "read_inputs", "task_defaults", "head_product", "draw_tokens", "fused_gelu",
-             "cache_argument", "save_policy", "save_reward_model", "load_models", "record_update", "record_step"}  # fmt: skip
+             "cache_argument", "fp32_products", "simulated_labeler_scores", "BestOfNRewardModel", "save_policy",
+             "save_reward_model", "load_models", "record_update", "record_step", "append_stats", "share_moments"}  # fmt: skip
     for path in SCRIPTS.values():
         body = ast.parse(path.read_text()).body
         main_index = next(i for i, node in enumerate(body) if getattr(node, "name", None) == "main")
