@@ -19,9 +19,12 @@ import numpy as np
 
 from run_utils import check_source, console, fail, first_line, flag_errors, hub_offline, require_package
 
-
 # ---------------------------------------------------------------------------------------------------------------------
 # query texts: a local file or a Hub dataset, cleaned like OpenAI's
+BOOKS_TASKS = ("sentiment", "descriptiveness")  # OAI's books tasks: queries from bookcorpus
+SUMMARIZATION_TASKS = ("tldr", "cnndm")
+
+
 def clean_query_text(text: str, task_name: str) -> str:
     """Texts as OAI's queries were made of. Books: Hub `bookcorpus` is tokenized text (lower-cased, a space before
     punctuation, `` and '' for quotes); joined back like running text (OAI's passages were), its sentences end in
@@ -32,7 +35,10 @@ def clean_query_text(text: str, task_name: str) -> str:
     `cnn_dailymail`, whose loader joins lines with spaces and ends them with " ."; "By\\nNAME\\n" in .story files),
     the Daily Mail date lines up to the last "PUBLISHED:/UPDATED: 15:36 EST, 25 October 2013" and the CNN dateline
     up to "(CNN) --" (in the first 100 characters, like OAI)."""
-    if task_name not in ("tldr", "cnndm"):
+    if task_name not in BOOKS_TASKS + SUMMARIZATION_TASKS:  # a new task says here how its texts are cleaned
+        raise ValueError(f"clean_query_text: no cleaning for task {task_name!r} (books: {BOOKS_TASKS}, summarization: "
+                         f"{SUMMARIZATION_TASKS})")  # fmt: skip
+    if task_name in BOOKS_TASKS:
         text = text.replace("`` ", '"').replace(" ''", '"').replace("( ", "(")
         return re.sub(r" (?=[.,!?;:)]|n't\b|'(?:s|re|ve|ll|d|m)\b)", "", text)
     if task_name == "cnndm":

@@ -253,3 +253,11 @@ def test_a_dry_run_with_hub_inputs_fetches_nothing_and_says_what_it_did_not_chec
         "the query texts yield queries",
         "--task.query-dataset bookcorpus/bookcorpus (on the Hub)",
     ]
+
+
+def test_query_texts_of_a_task_nobody_said_how_to_clean_are_refused():
+    """A new task name must say how its texts are cleaned: bookcorpus's clean-up (quotes, spaces before punctuation)
+    would silently rewrite ordinary text."""
+    assert rlhf_data.clean_query_text("`` a '' , b", "sentiment") == '"a", b'
+    with pytest.raises(ValueError, match="no cleaning for task 'reviews'"):
+        rlhf_data.clean_query_text("It's good , really", "reviews")
