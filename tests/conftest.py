@@ -21,7 +21,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel  # noqa: E402
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig  # noqa: E402
 
 import run_utils  # noqa: E402
 from quickstart_assets import prepare_gpt2_tokenizer  # noqa: E402
@@ -202,6 +202,12 @@ def failure(result: subprocess.CompletedProcess, tail: int = 3000) -> str:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def tiny_llama_config(**kwargs) -> LlamaConfig:
+    """A tiny Llama (SmolLM2's architecture): grouped-query attention, RMSNorm, no biases, untied head."""
+    return LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=128, **kwargs)  # fmt: skip
 
 
 def tiny_gpt2_config(**kwargs) -> GPT2Config:

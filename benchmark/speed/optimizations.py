@@ -23,17 +23,11 @@ import tyro
 import train_policy_accelerate as P
 import train_reward_accelerate as R
 from benchmark.speed.sampling_speed import seconds_in_turns
-from benchmark.speed.throughput import SIZES
+from benchmark.speed.throughput import SIZES, ModelSizeArgs
 
 
 @dataclass
-class Args:
-    model: str = "gpt2"
-    """a size of the GPT-2 family with random weights: tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl"""
-    batch_size: int = 8
-    """PPO episodes / label records per forward"""
-    query_length: int = 64
-    response_length: int = 24
+class Args(ModelSizeArgs):
     repeats: int = 3
     """rounds timing before and after once each, in turn, after a warm-up of each; the medians are reported"""
     padding_rows: int = 512

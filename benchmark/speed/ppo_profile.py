@@ -26,17 +26,11 @@ import tyro
 import run_utils
 import train_policy_accelerate as P
 from benchmark.speed.sampling_speed import PRODUCTS, matrix_products, product_shapes
-from benchmark.speed.throughput import SIZES, measure_peak_tflops
+from benchmark.speed.throughput import SIZES, ModelSizeArgs, measure_peak_tflops
 
 
 @dataclass
-class Args:
-    model: str = "gpt2"
-    """a size of the GPT-2 family with random weights: tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl"""
-    batch_size: int = 8
-    """rows per minibatch step (the policy script's micro-batch)"""
-    query_length: int = 64
-    response_length: int = 24
+class Args(ModelSizeArgs):
     repeats: int = 5
     """timed steps after the warm-up (--max-warmup-steps); the median is reported"""
     threads: int = 0

@@ -312,14 +312,21 @@ def plot(runs: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def main(args: Args) -> None:
-    arms = arms_of(args.scale, args.arms)
+def study_dir(args, study: str) -> Path:
+    """A study's output directory (--output-dir, or runs/STUDY/SCALE), after its common flags' checks: --threads,
+    and with --report-only a directory that holds a study."""
     if args.threads is not None and args.threads < 1:
         raise SystemExit("error: --threads must be >= 1")
-    out = Path(args.output_dir or f"runs/ablations/{args.scale}")
+    out = Path(args.output_dir or f"runs/{study}/{args.scale}")
+    if args.report_only and not out.is_dir():
+        raise SystemExit(f"error: --output-dir {out}: no study there to report (run it without --report-only)")
+    return out
+
+
+def main(args: Args) -> None:
+    arms = arms_of(args.scale, args.arms)
+    out = study_dir(args, "ablations")
     if args.report_only:
-        if not out.is_dir():
-            raise SystemExit(f"error: --output-dir {out}: no study there to report (run it without --report-only)")
         print(report(args, arms, out))
         return
     command = launcher_command(args, arms, out)

@@ -32,7 +32,7 @@ from typing import Literal, Optional
 import numpy as np
 import tyro
 
-from benchmark.studies.ablations import gain_at_kl, mean_ci
+from benchmark.studies.ablations import gain_at_kl, mean_ci, study_dir
 from benchmark.studies.kl_frontier import best_of_n, fit_gao, optimum, read_samples
 
 REPO = Path(__file__).resolve().parents[2]
@@ -369,12 +369,8 @@ def main(args: Args) -> None:
         args = dataclasses.replace(args, label_budgets=(96, 480, 1536) if args.scale == "cpu" else (1250, 5000, 20000))
     if not args.label_budgets or min(args.label_budgets) < 8 or not args.kl_coefs or min(args.kl_coefs) <= 0:
         raise SystemExit("error: --label-budgets must be >= 8 labels each and --kl-coefs positive")
-    if args.threads is not None and args.threads < 1:
-        raise SystemExit("error: --threads must be >= 1")
-    out = Path(args.output_dir or f"runs/controlled/{args.scale}")
+    out = study_dir(args, "controlled")
     if args.report_only:
-        if not out.is_dir():
-            raise SystemExit(f"error: --output-dir {out}: no study there to report (run it without --report-only)")
         print(report(args, out))
         return
     chain = commands(args, out)
