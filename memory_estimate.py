@@ -21,7 +21,7 @@ GB = 2**30  # the unit of time/peak_memory_gb and --gpu-memory-gb
 GPT2_SIZES = {"gpt2": (12, 768, 12), "gpt2-medium": (24, 1024, 16), "gpt2-large": (36, 1280, 20),
               "gpt2-xl": (48, 1600, 25)}  # fmt: skip
 """OpenAI's GPT-2 sizes (n_layer, n_embd, n_head): a --dry-run estimates them without their config file"""
-BEST_OF = 4  # the reward script's label records hold a query and 4 samples, read as one row
+NUM_SAMPLES = 4  # train_reward_accelerate.NUM_SAMPLES: a label record holds a query and 4 samples, read as one row
 LOGIT_COPIES = 5  # (rows, T, V) fp32 tensors live at once in a PPO micro-batch's backward: the scaled logits kept for
 # it, the gather's scattered gradient (autograd runs the gather's backward first), and logsumexp's backward's
 # logits - logsumexp, its exp and their product with the incoming gradient
@@ -101,7 +101,7 @@ def peak_memory_parts(args, base: ModelShape, reward: Optional[ModelShape], proc
         trained = base.backbone_parameters + d + 3  # the backbone, the scalar head, the gain and the bias
         frozen = {"sampler": 4 * base.lm_parameters}
         rows = args.batch_size // processes // args.gradient_accumulation_steps
-        tokens = task.query_length + BEST_OF * task.response_length
+        tokens = task.query_length + NUM_SAMPLES * task.response_length
         rollout_rows = min(args.local_rollout_forward_batch_size, args.rollout_batch_size // processes)
     parts = {"weights": 4 * trained, "bf16_weight_copies": 2 * trained if bf16 else 0}
     if zero_stage:

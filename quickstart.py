@@ -44,8 +44,6 @@ from quickstart_assets import DEFAULT_CACHE_DIR, QUERY_CORPUS_FILE, SMOLLM2_DIR,
 
 REPO = Path(__file__).resolve().parent
 """The repository root: the two training scripts live next to this file."""
-NUM_SAMPLES = 4
-"""Best-of-4 labels: a reward model that guesses gets 1/4 of the held-out labels right."""
 RUN_FILES = (
     "quickstart_args.json",
     "reward",
@@ -832,7 +830,7 @@ def summarize(args, output_dir: Path, reward_dir: Path | None, policy_dir: Path)
             "test_accuracy_ci95": [max(0.0, accuracy - half_width), min(1.0, accuracy + half_width)],
             "test_labels": num_test,
             "train_labels": args.labels,
-            "chance": 1 / NUM_SAMPLES,
+            "chance": 1 / train_reward_accelerate.NUM_SAMPLES,  # a guess is right 1 time in 4
             "labeler_ceiling": labeler_ceiling(records, args.labels, args.reward_batch_size),
         }
     rows = read_jsonl(policy_dir / "eval_samples.jsonl")

@@ -120,6 +120,7 @@ def test_reward_script_parts_on_a_hand_checked_example():
     """Batch 8 on 2 processes: micro-batches of 4 records, each one row of the query (4) and 4 samples of 3 tokens."""
     args = reward_args(**{"batch_size": 8, "task.query_length": 4, "task.response_length": 3,
                           "local_rollout_forward_batch_size": 4, "rollout_batch_size": 8, "eval_batch_size": 8})  # fmt: skip
+    assert memory_estimate.NUM_SAMPLES == train_reward_accelerate.NUM_SAMPLES  # one number of samples per record
     parts = memory_estimate.peak_memory_parts(args, SMALL, None, processes=2, zero_stage=0)
     trained = 900 + 8 + 3
     mask = 5 * 16 * 16  # a record's fp32 (16, 16) attention mask and its boolean source
