@@ -63,6 +63,29 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order is kept
 
 
+FILE_SECONDS: dict[str, float] = {}
+WORKER_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Each test's setup, call and teardown time, summed per file and per worker (on the controller under xdist)."""
+    FILE_SECONDS[report.nodeid.split("::")[0]] = FILE_SECONDS.get(report.nodeid.split("::")[0], 0) + report.duration
+    worker = getattr(getattr(report, "node", None), "gateway", None)
+    worker = worker.id if worker is not None else "main"
+    WORKER_SECONDS[worker] = WORKER_SECONDS.get(worker, 0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The time each worker spent in tests and the ten most expensive files: what SLOWEST_FILES's order balances."""
+    if len(FILE_SECONDS) > 1:
+        workers = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in sorted(WORKER_SECONDS.items()))
+        files = sorted(FILE_SECONDS.items(), key=lambda item: -item[1])[:10]
+        terminalreporter.write_line(f"time in tests per worker: {workers}")
+        terminalreporter.write_line(
+            "per file: " + ", ".join(f"{name.removeprefix('tests/')} {s:.0f} s" for name, s in files)
+        )
+
+
 class LoopbackRecord:
     """What this process and the scripts it started tried (the guard's log) since the test began, or `reset`."""
 
