@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-2 and multi-machine launches on 2 CPU processes (gloo), each against the plain 2-process DDP run.
+"""DeepSpeed ZeRO-2 and multi-machine launches on 2 CPU processes (gloo), against the plain 2-process DDP run.
 
 The ZeRO-2 runs are `benchmark/launch/large_models.sh`'s own commands (`accelerate launch --config_file
 benchmark/launch/deepspeed_zero2.yaml ...`) with the models and data swapped for tiny offline ones, 2 processes instead
@@ -6,14 +6,12 @@ of 8, and tests/deepspeed_cpu.py in front of the script (on a machine without GP
 communication backend; that CPU-only fix stays here). Each run asserts that the DeepSpeed engine really trained:
 its checkpoints hold ZeRO's per-process optimizer partitions, which plain DDP never writes.
 
-Tolerance: with gradient accumulation, ZeRO-2 reduces each micro-batch's gradients over the processes as they come,
-DDP sums the micro-batches on each process and reduces once: the same sums in another order, so float32 rounding
-differs (measured: ~1e-7 relative). Without accumulation the runs are bit-identical (test_zero2_policy_without_...).
+Without gradient accumulation a ZeRO-2 run is bit-identical to the DDP run (the PyTorch-Adam pair below). With it,
+ZeRO-2 reduces each micro-batch's gradients over the processes as they come and DDP sums the micro-batches on each
+process and reduces once: the same sums in another order, equal to float32 rounding; tests/test_processes.py checks
+both scripts under ZeRO-2 with accumulation against 1 process, metric by metric and weight by weight.
 """
 
-import json
-import math
-import os
 import shlex
 import signal
 import socket
@@ -37,15 +35,10 @@ from tests.test_resume import (
     policy_flags,
     reward_flags,
     run_and_interrupt,
-    without_timings,
 )
-from train_policy_accelerate import load_reward_model
-from train_reward_accelerate import OPENAI_PAD_ID
 
 ZERO2_CONFIG = "benchmark/launch/deepspeed_zero2.yaml"
 CPU_LAUNCH = str(REPO / "tests" / "deepspeed_cpu.py")
-# relative: the same sums in another order under gradient accumulation (the module docstring); ZERO2_RTOL=1 to measure
-RTOL = float(os.environ.get("ZERO2_RTOL", "1e-3"))
 
 
 def free_port() -> int:
@@ -94,111 +87,27 @@ def assert_trained_by_zero2(output_dir: Path) -> None:
         assert partitions == [f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in (0, 1)], checkpoint
 
 
-def assert_close_runs(
-    run: Path, reference: Path, weights: list[str], rtol: float = RTOL, noise: frozenset[str] = frozenset()
-) -> None:
-    """The same metrics rows and saved tensors up to `rtol`: each metric relative to its largest value over the run,
-    each tensor to its largest entry (a value that passes near 0, as the policy loss of a late update, -6e-5 where the
-    first ones are ~2e-2, or a weight near 0, is measured against its quantity's scale). Metrics in `noise` are only
-    checked to be there and finite: what rounding noise moves by whole Adam steps."""
-    rows, reference_rows = (without_timings(read_jsonl(path / "metrics.jsonl")) for path in (run, reference))
-    assert [sorted(row) for row in rows] == [sorted(row) for row in reference_rows]
-    scales = {}
-    for reference_row in reference_rows:
-        for key, value in reference_row.items():
-            if isinstance(value, float):
-                scales[key] = max(scales.get(key, 1e-6), abs(value))
-    differences = [(0.0, "nothing")]
-    for row, reference_row in zip(rows, reference_rows, strict=True):
-        for key, value in row.items():
-            if isinstance(value, float) and key in noise:
-                assert math.isfinite(value) and math.isfinite(reference_row[key]), key
-            elif isinstance(value, float):
-                scale = scales[key]
-                differences.append(
-                    (abs(value - reference_row[key]) / scale, f"{key} at {row.get('step', row.get('update'))}")
-                )
-            else:
-                assert value == reference_row[key], key
-    for name in weights:
-        tensors, reference_tensors = load_file(run / name), load_file(reference / name)
-        assert tensors.keys() == reference_tensors.keys()
-        for key, tensor in tensors.items():
-            assert tensor.dtype == torch.float32, (name, key, tensor.dtype)  # saved in fp32, like the DDP run
-            if key == "scalar_head.bias":
-                continue  # its gradient is 0 (best-of-4 is shift-invariant): Adam's steps there are rounding noise
-            scale = reference_tensors[key].abs().max().clamp(min=1e-6)
-            differences.append((((tensor - reference_tensors[key]).abs().max() / scale).item(), f"{name}:{key}"))
-    largest = max(differences)
-    print(f"{run.parent.name} vs {reference.parent.name}: largest relative difference {largest[0]:.2e} ({largest[1]})")
-    assert largest[0] <= rtol, largest
+def assert_identical_policy_runs(run: Path, reference: Path) -> None:
+    """The same metrics rows (but their timings) and the same saved policy and value head, bit for bit, saved in
+    fp32 like the DDP run's."""
+    for name in ("policy/model.safetensors", "policy/value_head.safetensors"):
+        assert_same_run(run, reference, name)
+        assert {tensor.dtype for tensor in load_file(run / name).values()} == {torch.float32}, name
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# reward model: large_models.sh's first reward command, with gradient accumulation and the TF-style Adam (default)
+# large_models.sh's PyTorch-Adam pair (the other pairs differ only in model and label names, which are swapped for the
+# tiny ones here), both commands under ZeRO-2 without accumulation, and its first policy command (the TF-style Adam,
+# the default) with gradient accumulation. That ZeRO-2 with accumulation computes what 1 process computes, for both
+# scripts, is tests/test_processes.py.
 
-ACCUMULATE = ["--gradient-accumulation-steps", "2"]
+PPO_ACCUMULATE = ["--ppo.gradient-accumulation-steps", "2"]
 
 
 def tiny_reward(argv: list[str], assets, output_dir: Path, *extra: str) -> list[str]:
     values = {"--base-model": str(assets["model"]), "--label-dataset": str(assets["small_labels"]),
               "--output-dir": str(output_dir)}  # fmt: skip
     return tiny(argv, values, reward_flags(assets, output_dir, *extra))
-
-
-@pytest.fixture(scope="module")
-def ddp_reward(tiny_assets, tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("ddp-reward") / "run"
-    result = run_script(REWARD, *reward_flags(tiny_assets, output_dir, *ACCUMULATE), nproc=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return output_dir
-
-
-@pytest.fixture(scope="module")
-def zero2_reward(tiny_assets, tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("zero2-reward") / "run"
-    run_zero2(tiny_reward(large_model_commands()[0], tiny_assets, output_dir, *ACCUMULATE))
-    return output_dir
-
-
-def reward_scores(run: Path, labels: Path) -> torch.Tensor:
-    """What a saved reward model says: its scores of the first label records' query + sample pairs."""
-    records = json.loads(labels.read_text())[:32]
-    queries = torch.tensor([record["query"] for record in records])
-    samples = torch.tensor([[record[f"sample{i}"] for i in range(4)] for record in records])
-    model = load_reward_model(str(run / "reward_model"))
-    queries, samples = (x.masked_fill(x == OPENAI_PAD_ID, model.pad_id) for x in (queries, samples))  # ours here
-    with torch.no_grad():  # each query with each of its 4 samples, one row each
-        return model(queries.repeat_interleave(4, 0), samples.flatten(0, 1)).view(-1, 4)
-
-
-def test_zero2_reward_model_equals_ddp_and_keeps_its_normalization(zero2_reward, ddp_reward, tiny_assets):
-    """The reward model is compared by what it says, not by its weights: the final layer norm's bias and the head's
-    bias shift all 4 samples' rewards alike, so best-of-4 gives them a gradient of exactly 0, and the rounding noise
-    that stands in for it moves them by whole Adam steps (differently in each run, DDP's too)."""
-    assert_trained_by_zero2(zero2_reward)
-    # the mean reward after training moves with those biases (a shift of all rewards): its difference is that noise
-    # (measured 1.4e-3 of the mean after 8 steps); normalization after takes the shift out (its bias is set from this
-    # mean), and the scores of the normalized model are compared below
-    assert_close_runs(zero2_reward, ddp_reward, [], noise=frozenset({"normalization/after/mean"}))
-    scores, reference = (reward_scores(run, tiny_assets["small_labels"]) for run in (zero2_reward, ddp_reward))
-    difference = ((scores - reference).abs().max() / reference.abs().max()).item()
-    print(f"reward model scores: largest relative difference {difference:.2e}")
-    # what the trained models say differs by more than their metrics: 1.35e-3 of the largest score (measured after
-    # the sampler's change of the normalization samples; below 1e-3 before), as Adam turns rounding differences in
-    # small gradients into lr-sized steps: the bound here is twice RTOL
-    assert difference <= 2 * RTOL and reference.std() > 0.1
-    head = load_file(zero2_reward / "reward_model" / "reward_head.safetensors")
-    before = read_jsonl(zero2_reward / "metrics.jsonl")[0]
-    # the gain set before training survived ZeRO's fp32 copy of the weights: far from its initial 1
-    assert before["step"] == 0 and abs(before["normalization/before/std"] - 1) > 0.5
-    assert abs(head["reward_gain"].item() - 1) > 0.5
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# policy: large_models.sh's first policy command, with gradient accumulation and the TF-style Adam (default)
-
-PPO_ACCUMULATE = ["--ppo.gradient-accumulation-steps", "2"]
 
 
 def tiny_policy(
@@ -210,37 +119,63 @@ def tiny_policy(
 
 
 @pytest.fixture(scope="module")
-def ddp_policy(tiny_assets, ddp_reward, tmp_path_factory):
+def zero2_reward(tiny_assets, tmp_path_factory) -> Path:
+    """large_models.sh's PyTorch-Adam reward command under ZeRO-2; its reward model is the one every policy run here
+    reads."""
+    output_dir = tmp_path_factory.mktemp("zero2-reward") / "run"
+    reward_argv = large_model_commands()[8]
+    assert "--no-use-tensorflow-adam" in reward_argv
+    run_zero2(tiny_reward(reward_argv, tiny_assets, output_dir))
+    assert_trained_by_zero2(output_dir)
+    return output_dir
+
+
+@pytest.fixture(scope="module")
+def reward_model(zero2_reward) -> Path:
+    return zero2_reward / "reward_model"
+
+
+@pytest.fixture(scope="module")
+def ddp_policy(tiny_assets, reward_model, tmp_path_factory) -> Path:
+    """The PyTorch-Adam policy run under plain 2-process DDP (torchrun)."""
     output_dir = tmp_path_factory.mktemp("ddp-policy") / "run"
-    flags = policy_flags(tiny_assets, ddp_reward / "reward_model", output_dir, *PPO_ACCUMULATE)
+    flags = policy_flags(tiny_assets, reward_model, output_dir, "--no-use-tensorflow-adam")
     result = run_script(POLICY, *flags, nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     return output_dir
 
 
+def test_zero2_with_torch_adam_runs_large_models_sh_end_to_end(tiny_assets, zero2_reward, reward_model, ddp_policy,
+                                                               tmp_path):  # fmt: skip
+    """large_models.sh's PyTorch-Adam pair under ZeRO-2 without accumulation: its policy run bit-identical to plain
+    DDP (the reward model both read is the ZeRO-2 reward command's, whose gain, set before training, survived ZeRO's
+    fp32 copy of the weights)."""
+    before = read_jsonl(zero2_reward / "metrics.jsonl")[0]
+    assert before["step"] == 0 and abs(before["normalization/before/std"] - 1) > 0.5  # a gain far from its initial 1
+    head = load_file(reward_model / "reward_head.safetensors")
+    after = next(row for row in read_jsonl(zero2_reward / "metrics.jsonl") if "normalization/after/std" in row)
+    assert head["reward_gain"].item() == pytest.approx(1 / after["normalization/after/std"], rel=1e-6)
+    policy_argv = large_model_commands()[9]
+    assert "--no-use-tensorflow-adam" in policy_argv
+    run_zero2(tiny_policy(policy_argv, tiny_assets, reward_model, tmp_path / "policy"))
+    assert_trained_by_zero2(tmp_path / "policy")
+    assert_identical_policy_runs(tmp_path / "policy", ddp_policy)
+
+
 @pytest.fixture(scope="module")
-def zero2_policy(tiny_assets, ddp_reward, tmp_path_factory):
+def zero2_policy(tiny_assets, reward_model, tmp_path_factory) -> Path:
+    """large_models.sh's first policy command (the TF-style Adam) with gradient accumulation, under ZeRO-2."""
     output_dir = tmp_path_factory.mktemp("zero2-policy") / "run"
-    argv = large_model_commands()[1]
-    run_zero2(tiny_policy(argv, tiny_assets, ddp_reward / "reward_model", output_dir, *PPO_ACCUMULATE))
+    run_zero2(tiny_policy(large_model_commands()[1], tiny_assets, reward_model, output_dir, *PPO_ACCUMULATE))
+    assert_trained_by_zero2(output_dir)
     return output_dir
 
 
-POLICY_WEIGHTS = ["policy/model.safetensors", "policy/value_head.safetensors"]
-
-
-def test_zero2_policy_equals_ddp(zero2_policy, ddp_policy):
-    assert_trained_by_zero2(zero2_policy)
-    assert_close_runs(zero2_policy, ddp_policy, POLICY_WEIGHTS)
+def test_zero2_policy_resume_after_sigkill_is_bit_identical(tiny_assets, reward_model, zero2_policy, tmp_path):
     first = read_jsonl(zero2_policy / "metrics.jsonl")[0]
     assert first["update"] == 1 and abs(first["objective/kl"]) < 1e-6  # fp32: the policy starts as the reference
-
-
-def test_zero2_policy_resume_after_sigkill_is_bit_identical(tiny_assets, ddp_reward, zero2_policy, tmp_path):
     output_dir = tmp_path / "run"
-    command = tiny_policy(
-        large_model_commands()[1], tiny_assets, ddp_reward / "reward_model", output_dir, *PPO_ACCUMULATE
-    )
+    command = tiny_policy(large_model_commands()[1], tiny_assets, reward_model, output_dir, *PPO_ACCUMULATE)
     returncode, output = run_and_interrupt(command, output_dir, signal.SIGKILL, 3, 0.1, env=zero2_environment())
     assert returncode == -signal.SIGKILL, output[-3000:]
     assert not (output_dir / "policy").exists()
@@ -251,31 +186,15 @@ def test_zero2_policy_resume_after_sigkill_is_bit_identical(tiny_assets, ddp_rew
     assert_same_run(output_dir, zero2_policy, "policy/value_head.safetensors")
 
 
-def test_zero2_with_torch_adam_runs_large_models_sh_end_to_end(tiny_assets, ddp_reward, tmp_path):
-    """large_models.sh's PyTorch-Adam pair (the other pairs differ only in model and label names, which are swapped
-    for the tiny ones here), both commands, under ZeRO-2 without accumulation: bit-identical to plain DDP."""
-    reward_argv, policy_argv = large_model_commands()[8:10]
-    assert "--no-use-tensorflow-adam" in reward_argv and "--no-use-tensorflow-adam" in policy_argv
-    run_zero2(tiny_reward(reward_argv, tiny_assets, tmp_path / "reward"))
-    assert_trained_by_zero2(tmp_path / "reward")
-    reward_model = tmp_path / "reward" / "reward_model"
-    run_zero2(tiny_policy(policy_argv, tiny_assets, reward_model, tmp_path / "policy"))
-    assert_trained_by_zero2(tmp_path / "policy")
-    ddp = tmp_path / "ddp"
-    flags = policy_flags(tiny_assets, reward_model, ddp, "--no-use-tensorflow-adam")
-    assert run_script(POLICY, *flags, nproc=2).returncode == 0
-    assert_close_runs(tmp_path / "policy", ddp, POLICY_WEIGHTS, rtol=0.0)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # what the scripts refuse under DeepSpeed, before anything is written
 
 
-def test_bf16_under_deepspeed_is_refused_with_one_line(tiny_assets, ddp_reward, tmp_path):
+def test_bf16_under_deepspeed_is_refused_with_one_line(tiny_assets, reward_model, tmp_path):
     """large_models.sh's policy command with --mixed-precision bf16, launched under ZeRO-2 (one process: the refusal
     comes before any collective)."""
     output_dir = tmp_path / "run"
-    command = tiny_policy(large_model_commands()[1], tiny_assets, ddp_reward / "reward_model", output_dir, nproc=1)
+    command = tiny_policy(large_model_commands()[1], tiny_assets, reward_model, output_dir, nproc=1)
     result = subprocess.run([*command, "--mixed-precision", "bf16"], capture_output=True, text=True, timeout=300,
                             env=zero2_environment(), cwd=REPO)  # fmt: skip
     assert result.returncode != 0
@@ -393,22 +312,21 @@ def run_machines(commands: list[list[str]]) -> list[subprocess.CompletedProcess]
 
 
 @pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
-def test_two_machines_on_loopback_equal_one_machine(tiny_assets, ddp_reward, ddp_policy, tmp_path, launcher):
+def test_two_machines_on_loopback_equal_one_machine(tiny_assets, reward_model, ddp_policy, tmp_path, launcher):
     """`accelerate launch --multi_gpu --num_machines 2` and `torchrun --nnodes 2` (c10d): the same run as 2 processes
     on one machine, bit for bit."""
     output_dir = tmp_path / "run"
-    flags = policy_flags(tiny_assets, ddp_reward / "reward_model", output_dir, *PPO_ACCUMULATE)
+    flags = policy_flags(tiny_assets, reward_model, output_dir, "--no-use-tensorflow-adam")
     for result in run_machines(two_machines(launcher, flags)):
         assert result.returncode == 0, result.stderr[-3000:]
-    assert_close_runs(output_dir, ddp_policy, POLICY_WEIGHTS, rtol=0.0)
-    assert_same_run(output_dir, ddp_policy, "policy/model.safetensors")
+    assert_identical_policy_runs(output_dir, ddp_policy)
 
 
-def test_processes_that_do_not_form_the_launched_run_stop_with_the_fix(tiny_assets, ddp_reward, tmp_path):
+def test_processes_that_do_not_form_the_launched_run_stop_with_the_fix(tiny_assets, reward_model, tmp_path):
     """`accelerate launch --num_machines 2` without --multi_gpu (accelerate adds it only with several GPUs per
     machine, so a cluster of 1-GPU nodes meets this): each process would train alone as rank 0 of 1."""
     output_dir = tmp_path / "run"
-    flags = policy_flags(tiny_assets, ddp_reward / "reward_model", output_dir)
+    flags = policy_flags(tiny_assets, reward_model, output_dir)
     for result in run_machines(two_machines("accelerate-without-multi-gpu", flags)):
         assert result.returncode != 0
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -416,10 +334,10 @@ def test_processes_that_do_not_form_the_launched_run_stop_with_the_fix(tiny_asse
     assert not output_dir.exists()  # nothing written
 
 
-def test_the_guard_names_the_launch_fix_on_one_machine_too(tiny_assets, ddp_reward, tmp_path):
+def test_the_guard_names_the_launch_fix_on_one_machine_too(tiny_assets, reward_model, tmp_path):
     """torchrun on a machine without GPUs and without ACCELERATE_USE_CPU: accelerate starts no process group."""
     output_dir = tmp_path / "run"
-    flags = policy_flags(tiny_assets, ddp_reward / "reward_model", output_dir)
+    flags = policy_flags(tiny_assets, reward_model, output_dir)
     result = run_script(POLICY, *flags, nproc=2, env={"ACCELERATE_USE_CPU": "false"})
     errors = {line for line in result.stderr.splitlines() if line.startswith("error:")}
     assert result.returncode != 0 and len(errors) == 1 and "ACCELERATE_USE_CPU=true" in errors.pop()

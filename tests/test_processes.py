@@ -39,6 +39,8 @@ UNIT_SCALE = {"normalized_mean": 1.0}
 """Metrics measured against 1, not their own size: the rewards' mean after a normalization, 0 up to rounding, of rewards
 whose std is 1."""
 LAUNCHES = ("1 process", "2 processes", "2 processes, ZeRO-2")
+ACCUMULATE = {"2 processes, ZeRO-2": 2}
+"""Micro-batches per step under ZeRO-2, which then reduces each one's gradients as they come (DDP once per step)."""
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +79,8 @@ def reward_runs(assets) -> dict[str, Path]:
     for how in LAUNCHES:
         out = assets.parent / f"reward {how}"
         flags = [*S.our_reward_flags(assets), "--labels.num-train", str(REWARD_STEPS * S.REWARD["batch_size"]),
-                 "--checkpoint-every", str(REWARD_STEPS), "--output-dir", str(out)]  # fmt: skip
+                 "--checkpoint-every", str(REWARD_STEPS), "--output-dir", str(out),
+                 "--gradient-accumulation-steps", str(ACCUMULATE.get(how, 1))]  # fmt: skip
         launch(how, ["train_reward_accelerate.py", str(REFERENCE / "reward_ranks_2" / "samples.npz"), *flags],
                out.with_suffix(".log"))  # fmt: skip
         runs[how] = out
@@ -98,7 +101,8 @@ def policy_runs(assets, reward_runs) -> dict[str, Path]:
     for how in LAUNCHES:
         out = assets.parent / f"policy {how}"
         flags = [*S.our_policy_flags(assets, POLICY_UPDATES, ranks=2, scenario=scenario), "--checkpoint-every",
-                 str(POLICY_UPDATES), "--output-dir", str(out)]  # fmt: skip
+                 str(POLICY_UPDATES), "--output-dir", str(out),
+                 "--ppo.gradient-accumulation-steps", str(ACCUMULATE.get(how, 1))]  # fmt: skip
         launch(how, ["--policy-init", str(warm), "train_policy_accelerate.py", str(replay), *flags],
                out.with_suffix(".log"))  # fmt: skip
         runs[how] = out
@@ -148,18 +152,27 @@ def load_weights(directory: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("how", LAUNCHES[1:], ids=["ddp", "zero2"])
 def test_the_reward_model_on_two_processes_is_the_reward_model_on_one(reward_runs, assets, how):
     """Every step's loss and accuracy, both normalizations, and the trained weights: 2 processes (32 labels a step,
-    16 on each) as 1 process (all 32). The final layer norm's bias and the head's bias shift all 4 samples' rewards
-    alike, so best-of-4 gives them a gradient of exactly 0 and rounding noise moves them by whole Adam steps: they are
-    left out, and the normalization after training (which takes such a shift out) is compared instead."""
+    16 on each; under ZeRO-2 in 2 micro-batches of 8) as 1 process (all 32). The final layer norm's bias and the head's
+    bias shift all 4 samples' rewards alike, so best-of-4 gives them a gradient of exactly 0 and rounding noise moves
+    them by whole Adam steps: they are left out, and the normalization after training (which takes such a shift out)
+    is compared instead."""
     run, reference = reward_runs[how], reward_runs["1 process"]
     assert how != "2 processes, ZeRO-2" or trained_by_zero2(run)
     metrics = metric_differences(run, reference)
+    print(f"reward model, {how}: largest metric difference {metrics[0][0]:.1e} ({metrics[0][1]})")
     assert metrics[0][0] <= METRICS_RTOL, metrics[:3]
     noise = {"ln_f.bias", "scalar_head.bias", "score.weight"}  # score.weight: the head with its gain and bias folded in
     set_by_normalization = {"reward_gain", "reward_bias"}  # compared above, as normalization/*/mean and std
     weights = weight_differences(run / "reward_model", reference / "reward_model", initial_reward_model(assets / "base"),
                                  skip=noise | set_by_normalization)  # fmt: skip
+    print(f"reward model, {how}: largest weight difference {weights[0][0]:.1e} ({weights[0][1]})")
     assert weights[0][0] <= WEIGHTS_RTOL, weights[:3]
+    # the saved gain and bias are the normalization's (the gain set before training survived ZeRO's fp32 copy of the
+    # weights, or the steps above would differ), in the units of the gain
+    head, reference_head = (load_file(path / "reward_model" / "reward_head.safetensors") for path in (run, reference))
+    scale = reference_head["reward_gain"].abs().item()
+    for name in set_by_normalization:
+        assert abs(head[name].item() - reference_head[name].item()) <= METRICS_RTOL * scale, name
 
 
 def initial_reward_model(base: Path) -> dict[str, torch.Tensor]:
@@ -178,13 +191,16 @@ def initial_reward_model(base: Path) -> dict[str, torch.Tensor]:
 def test_ppo_on_two_processes_is_ppo_on_one(policy_runs, assets, how):
     """Every metric of every update (the KL controller's coefficient from update 2 on fed the KL of both processes,
     the lr schedule, Adam's state carried over) and the trained policy's weights and value head: 2 processes (16 rows
-    each, 8 a minibatch) as 1 process with --ppo.whitening-ranks 2 (32 rows in two whitening shares of 16)."""
+    each, 8 a minibatch; under ZeRO-2 in 2 micro-batches of 4) as 1 process with --ppo.whitening-ranks 2 (32 rows in
+    two whitening shares of 16)."""
     run, reference = policy_runs[how], policy_runs["1 process"]
     assert how != "2 processes, ZeRO-2" or trained_by_zero2(run)
     coefficients = [row["objective/kl_coef"] for row in read_jsonl(reference / "metrics.jsonl") if "update" in row]
     assert len(set(coefficients)) == len(coefficients) == POLICY_UPDATES  # the controller moved at every update
     metrics = metric_differences(run, reference)
+    print(f"PPO, {how}: largest metric difference {metrics[0][0]:.1e} ({metrics[0][1]})")
     assert metrics[0][0] <= METRICS_RTOL, metrics[:3]
     initial = load_weights(assets / "warm_policy_ranks_2")
     weights = weight_differences(run / "policy", reference / "policy", initial)
+    print(f"PPO, {how}: largest weight difference {weights[0][0]:.1e} ({weights[0][1]})")
     assert weights[0][0] <= WEIGHTS_RTOL, weights[:3]
