@@ -174,14 +174,14 @@ def test_plan_prints_the_configurations_in_order_and_the_total_within_the_budget
 
 
 def test_a_configuration_past_its_limit_is_recorded_and_leaves_nothing_behind(tmp_path):
-    """LIMIT 25 s (throughput.py --timeout): a failed line naming the time limit, the configuration's log, and no
+    """LIMIT 10 s (throughput.py --timeout): a failed line naming the time limit, the configuration's log, and no
     process of it left (check.sh marks each configuration's processes with GPU_CHECK_TAG)."""
-    result = check_sh(tmp_path, RUNS="tiny:fp32", BATCH="16", UPDATES="1000", LIMIT="25", ACCELERATE_USE_CPU="true",
+    result = check_sh(tmp_path, RUNS="tiny:fp32", BATCH="16", UPDATES="1000", LIMIT="10", ACCELERATE_USE_CPU="true",
                       OMP_NUM_THREADS="1")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     (line,) = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
-    assert line["name"] == "tiny fp32" and line["failed"] == "time limit (25 s)", line
-    assert "--timeout 25 s reached" in Path(line["log"]).read_text()
+    assert line["name"] == "tiny fp32" and line["failed"] == "time limit (10 s)", line
+    assert "--timeout 10 s reached" in Path(line["log"]).read_text()
     assert not [process for process in Path("/proc").glob("[0-9]*") if has_check_tag(process)]
 
 

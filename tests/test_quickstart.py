@@ -260,24 +260,12 @@ def tiny_quickstart(tiny_assets, output_dir: Path, updates: int = 3) -> list[str
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("when", ["policy starting", "policy training"])
-def test_ctrl_c_keeps_the_work_and_the_same_command_continues(when, tiny_assets, tmp_path):
-    """Ctrl-C in the policy phase, as its script still imports its libraries or while it trains: the quick start
-    exits 130 with one line, no traceback from either (a trained script writes its checkpoint); the same command
-    again keeps the reward model and continues the policy (from its checkpoint when it wrote one)."""
-    output_dir = tmp_path / "quickstart"
-    command = tiny_quickstart(tiny_assets, output_dir, updates=12)
-    log_path = tmp_path / "first.log"
+def interrupt_quickstart(command: list[str], cwd: Path, log_path: Path, reached) -> str:
+    """Start the quick start, press Ctrl-C once `reached()` holds, and return what it printed."""
     # SIGINT at its default, as under a terminal (a shell's background job, as CI may be, starts with it ignored)
-    process = subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+    process = subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT, text=True, cwd=cwd,
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
-    metrics, deadline = output_dir / "policy" / "metrics.jsonl", time.time() + 240
-
-    def reached() -> bool:
-        if when == "policy starting":  # the phase's banner: its script has just started importing
-            return "3/4" in log_path.read_text()
-        return metrics.exists() and metrics.read_text().count("\n") >= 2
-
+    deadline = time.time() + 240
     while not reached() and time.time() < deadline:
         assert process.poll() is None, log_path.read_text()[-3000:]
         time.sleep(0.05)
@@ -285,14 +273,33 @@ def test_ctrl_c_keeps_the_work_and_the_same_command_continues(when, tiny_assets,
     process.wait(timeout=120)
     output = log_path.read_text()
     assert process.returncode == 130, output[-3000:]
-    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
-    assert output.strip().splitlines()[-1].startswith("quickstart: stopped by Ctrl-C in the policy phase")
-    checkpoints = list((output_dir / "policy" / "checkpoints").glob("step-*"))
-    assert bool(checkpoints) == (when == "policy training") and not (output_dir / "summary.json").exists()
+    return output
+
+
+def test_ctrl_c_keeps_the_work_and_the_same_command_continues(tiny_assets, tmp_path):
+    """Ctrl-C in the policy phase, as its script still imports its libraries, then (the same command again) while it
+    trains: each time the quick start exits 130 with one line, no traceback from either (a training script writes
+    its checkpoint); the same command again keeps the reward model and continues the policy (from its checkpoint when
+    it wrote one), to the end."""
+    output_dir = tmp_path / "quickstart"
+    command = tiny_quickstart(tiny_assets, output_dir, updates=12)
+    metrics = output_dir / "policy" / "metrics.jsonl"
+    log_path = tmp_path / "first.log"
+    reached = {
+        "policy starting": lambda: "3/4" in log_path.read_text(),  # the phase's banner: its script starts importing
+        "policy training": lambda: metrics.exists() and metrics.read_text().count("\n") >= 2,
+    }
+    for attempt, when in enumerate(reached, 1):
+        output = interrupt_quickstart(command, tmp_path, log_path, reached[when])
+        assert "Traceback" not in output and "KeyboardInterrupt" not in output, (when, output[-3000:])
+        assert output.strip().splitlines()[-1].startswith("quickstart: stopped by Ctrl-C in the policy phase"), when
+        checkpoints = list((output_dir / "policy" / "checkpoints").glob("step-*"))
+        assert bool(checkpoints) == (when == "policy training") and not (output_dir / "summary.json").exists()
+        if attempt > 1:  # the attempt before stopped as its script started: this one began the policy afresh
+            assert "reward model: trained by an earlier attempt" in output and "resumed from" not in output
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "reward model: trained by an earlier attempt" in result.stdout
-    assert ("resumed from" in result.stdout) == (when == "policy training")
+    assert "reward model: trained by an earlier attempt" in result.stdout and "resumed from" in result.stdout
     updates = [row["update"] for row in read_jsonl(metrics) if "objective/scores" in row]
     assert updates == list(range(1, 13)) and (output_dir / "summary.json").exists()
     assert not (output_dir / "policy" / "checkpoints").exists()  # the stop checkpoint goes once the run finished

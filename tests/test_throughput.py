@@ -93,9 +93,9 @@ def test_a_stopped_or_timed_out_run_leaves_no_process_and_no_temporary_file(gpt2
     assert process.returncode == 143, stderr[-3000:]
     assert tagged(str(tmp_path)) == [] and not list(temporary.rglob("corpus.txt"))
     result = subprocess.run(
-        [*command, "--timeout", "20"], capture_output=True, text=True, timeout=300, env=env, cwd=REPO
+        [*command, "--timeout", "8"], capture_output=True, text=True, timeout=300, env=env, cwd=REPO
     )
-    assert result.returncode == throughput.TIMED_OUT and "--timeout 20 s" in result.stderr, result.stderr[-3000:]
+    assert result.returncode == throughput.TIMED_OUT and "--timeout 8 s" in result.stderr, result.stderr[-3000:]
     assert tagged(str(tmp_path)) == [] and not list(temporary.rglob("corpus.txt"))
 
 
