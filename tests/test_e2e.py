@@ -155,19 +155,6 @@ def test_same_seed_twice_gives_identical_metrics(tiny_assets, tmp_path):
     assert all(torch.equal(first[key], second[key]) for key in first)
 
 
-def test_two_processes_end_with_identical_parameters(tiny_assets, tmp_path):
-    """(c) torchrun with 2 CPU processes (gloo): global batch 16 = 8 per process; the script logs the spread of a
-    parameter checksum over the processes at the end, which must be exactly 0 (DDP averaged the gradients)."""
-    result = run_script(REWARD, *small_reward_flags(tiny_assets, tmp_path / "run"), nproc=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    args = json.loads((tmp_path / "run" / "args.json").read_text())
-    assert args["world_size"] == 2 and args["local_batch_size"] == 8
-    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    assert [row["sync/param_spread"] for row in rows if "sync/param_spread" in row] == [0.0]
-    assert rows[-1]["step"] == 2 and (tmp_path / "run" / "reward_model").is_dir()
-    assert result.stdout.count("training reward model: 2/2 (100%)") == 1  # progress from the main process only
-
-
 @pytest.fixture(scope="session")
 def policy_run(tiny_assets, reward_run, tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("policy") / "run"
@@ -250,20 +237,6 @@ def test_policy_same_seed_twice_is_identical(tiny_assets, reward_run, tmp_path):
         return [{k: v for k, v in row.items() if not k.startswith(("elapsed", "time"))} for row in rows]
 
     assert metrics("first") == metrics("second")
-
-
-def test_policy_two_processes_keep_kl_coef_in_step(tiny_assets, reward_run, tmp_path):
-    """torchrun with 2 CPU processes: the adaptive KL controller is fed the KL averaged over both processes, so
-    kl_coef is identical on both at every update (the logged spread over processes is exactly 0)."""
-    result = run_script(POLICY, *short_policy_flags(tiny_assets, reward_run, tmp_path / "run"), nproc=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    updates = [row for row in rows if "objective/kl_coef" in row]
-    assert len(updates) == 4 and all(row["sync/kl_coef_spread"] == 0.0 for row in updates)
-    assert updates[-1]["objective/kl_coef"] != 0.15
-    assert [row["sync/param_spread"] for row in rows if "sync/param_spread" in row] == [0.0]
-    assert json.loads((tmp_path / "run" / "args.json").read_text())["local_batch_size"] == 8
-    assert result.stdout.count("PPO: 4/4 (100%)") == 1  # progress from the main process only
 
 
 def first_update(assets, reward_run, output_dir: Path, *extra: str) -> dict:
@@ -370,9 +343,11 @@ def test_a_label_file_without_spare_records_trains_without_a_held_out_evaluation
 
 
 def test_each_process_draws_its_own_samples(tiny_assets, tmp_path):
-    """detail: different seeds for different processes — 2 processes simulate labels for the same query (a corpus of
-    one sentence): with seed + rank * 100003 their samples differ; with one seed for both, each record of one process
-    would have a twin from the other."""
+    """(c) torchrun with 2 CPU processes (gloo). detail: different seeds for different processes — 2 processes simulate
+    labels for the same query (a corpus of one sentence): with seed + rank * 100003 their samples differ; with one
+    seed for both, each record of one process would have a twin from the other. Then they train on them, global batch
+    8 = 4 per process: the script logs the spread of a parameter checksum over the processes at the end, which must be
+    exactly 0 (DDP averaged the gradients)."""
     corpus = tmp_path / "one_sentence.txt"
     corpus.write_text("the cat sat on the mat and looked at the door .\n" * 64)
     flags = ["--base-model", str(tiny_assets["model"]), "--task.query-dataset", str(corpus), "--output-dir",
@@ -385,3 +360,9 @@ def test_each_process_draws_its_own_samples(tiny_assets, tmp_path):
     assert len(records) == 24 and len({tuple(r["query"]) for r in records}) == 1  # one query, both processes
     samples = {tuple(tuple(r[f"sample{i}"]) for i in range(4)) for r in records}
     assert len(samples) == len(records), "two records drew the same 4 samples: the processes share a seed"
+    args = json.loads((tmp_path / "run" / "args.json").read_text())
+    assert args["world_size"] == 2 and args["local_batch_size"] == 4
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [row["sync/param_spread"] for row in rows if "sync/param_spread" in row] == [0.0]
+    assert rows[-1]["step"] == 2 and (tmp_path / "run" / "reward_model").is_dir()
+    assert result.stdout.count("training reward model: 2/2 (100%)") == 1  # progress from the main process only

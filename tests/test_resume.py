@@ -288,10 +288,26 @@ def test_policy_sigterm_checkpoints_and_resumes_identically(tiny_assets, reward_
 
 @pytest.fixture(scope="module")
 def policy_reference_two_processes(tiny_assets, reward_reference, tmp_path_factory):
+    """An uninterrupted run on 2 processes (torchrun, gloo); its output in stdout.txt beside it."""
     output_dir = tmp_path_factory.mktemp("policy-reference-2") / "run"
     result = run_script(POLICY, *policy_flags(tiny_assets, reward_reference / "reward_model", output_dir), nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
+    (output_dir.parent / "stdout.txt").write_text(result.stdout)
     return output_dir
+
+
+def test_two_processes_keep_kl_coef_in_step(policy_reference_two_processes):
+    """The 2-process run: the adaptive KL controller is fed the KL averaged over both processes, so kl_coef is
+    identical on both at every update (the logged spread over processes is exactly 0), and so are the parameters at
+    the end; the progress lines come from the main process only."""
+    rows = read_jsonl(policy_reference_two_processes / "metrics.jsonl")
+    updates = [row for row in rows if "objective/kl_coef" in row]
+    assert len(updates) == 8 and all(row["sync/kl_coef_spread"] == 0.0 for row in updates)
+    assert updates[-1]["objective/kl_coef"] != 0.15
+    assert [row["sync/param_spread"] for row in rows if "sync/param_spread" in row] == [0.0]
+    assert json.loads((policy_reference_two_processes / "args.json").read_text())["local_batch_size"] == 8
+    stdout = (policy_reference_two_processes.parent / "stdout.txt").read_text()
+    assert stdout.count("PPO: 8/8 (100%)") == 1
 
 
 @pytest.mark.parametrize("kill_point", range(KILL_POINTS))
