@@ -43,9 +43,10 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(LOOPBACK_DIR), os.e
 os.environ.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=str(Path(__file__).resolve().parents[1] / ".cache" / "pypi"))
 loopback.install()
 
-# `.ci/run` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`). Each worker, and each script it
-# starts, gets one thread of the two cores; each test file runs whole on one worker, so its module fixtures are built
-# once; the files listed first start first, so that both workers end about together.
+# `.ci/run` runs the suite on three pytest-xdist workers (`-n 3 --dist loadgroup`) on the machine's two cores: part of
+# the time a test waits (on Slurm's daemons, the Hub stand-in's retries, a signal's moment) and a third worker fills
+# it. Each worker, and each script it starts, gets one thread; each test file runs whole on one worker, so its module
+# fixtures are built once; the files listed first start first, so that the workers end about together.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)

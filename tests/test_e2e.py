@@ -227,16 +227,24 @@ def test_direct_rl_against_a_reward_function_loads_no_reward_model(tiny_assets, 
     assert len(rows) == 2 and all(row["objective/scores"] == 0.25 for row in rows)
 
 
-def test_policy_same_seed_twice_is_identical(tiny_assets, reward_run, tmp_path):
-    for name in ("first", "second"):
-        result = run_script(POLICY, *short_policy_flags(tiny_assets, reward_run, tmp_path / name))
-        assert result.returncode == 0, result.stderr[-3000:]
+@pytest.fixture(scope="module")
+def short_run(tiny_assets, reward_run, tmp_path_factory) -> Path:
+    """A plain short run: 4 updates of batch 16."""
+    output_dir = tmp_path_factory.mktemp("short") / "run"
+    result = run_script(POLICY, *short_policy_flags(tiny_assets, reward_run, output_dir))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return output_dir
 
-    def metrics(name):
-        rows = read_jsonl(tmp_path / name / "metrics.jsonl")
+
+def test_policy_same_seed_twice_is_identical(tiny_assets, reward_run, short_run, tmp_path):
+    result = run_script(POLICY, *short_policy_flags(tiny_assets, reward_run, tmp_path / "again"))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    def metrics(directory):
+        rows = read_jsonl(directory / "metrics.jsonl")
         return [{k: v for k, v in row.items() if not k.startswith(("elapsed", "time"))} for row in rows]
 
-    assert metrics("first") == metrics("second")
+    assert metrics(tmp_path / "again") == metrics(short_run)
 
 
 def first_update(assets, reward_run, output_dir: Path, *extra: str) -> dict:
@@ -249,9 +257,10 @@ def first_update(assets, reward_run, output_dir: Path, *extra: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def plain_first_update(tiny_assets, reward_run, tmp_path_factory) -> dict:
-    """The plain run's update 1, which the compiled runs and the memory knobs are compared with."""
-    return first_update(tiny_assets, reward_run, tmp_path_factory.mktemp("plain") / "run")
+def plain_first_update(short_run) -> dict:
+    """The plain run's update 1, which the compiled runs and the memory knobs are compared with: the short run's,
+    the same row as a run of that one update has (whose row, its last, adds sync/param_spread, compared nowhere)."""
+    return read_jsonl(short_run / "metrics.jsonl")[0]
 
 
 def test_compile_changes_the_first_update_only_by_float_rounding(tiny_assets, reward_run, plain_first_update,

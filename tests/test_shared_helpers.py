@@ -367,9 +367,9 @@ def test_repository_checks_read_the_tracked_files_and_nothing_a_setup_put_beside
 
 
 def test_the_two_slurm_files_share_one_worker_under_ci_run(tmp_path):
-    """`.ci/run`'s `-n 2 --dist loadgroup`: tests/conftest.py's groups must reach pytest-xdist (its hook reads the
-    marks, so ours has to run first), else tests/test_slurm.py and tests/test_slurm_two_nodes.py, which both start
-    Slurm's daemons on this machine, run at the same time on the two workers."""
+    """`.ci/run`'s `--dist loadgroup` (here on 2 workers): tests/conftest.py's groups must reach pytest-xdist (its hook
+    reads the marks, so ours has to run first), else tests/test_slurm.py and tests/test_slurm_two_nodes.py, which both
+    start Slurm's daemons on this machine, run at the same time on two workers."""
     plugin = tmp_path / "record_worker_items.py"
     plugin.write_text(
         "import os, pytest\n"
