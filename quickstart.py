@@ -439,7 +439,9 @@ def run_script(console, title: str, command: list[str], environment: dict[str, s
             if process is None:  # a Ctrl-C right after the phase's banner, before the script started, is the phase's
                 console.print(f"$ python {shlex.join(command[1:])}", style="dim", markup=False, highlight=False,
                               soft_wrap=True)  # fmt: skip
-                process = subprocess.Popen(command, env=environment, cwd=REPO, process_group=0)
+                process, held = start_script(command, environment)
+                if held:  # a Ctrl-C while it started: passed on below, now that the process is known
+                    raise KeyboardInterrupt
             returncode = process.wait()
             break
         except KeyboardInterrupt:
@@ -451,6 +453,19 @@ def run_script(console, title: str, command: list[str], environment: dict[str, s
         raise Interrupted(title)
     if returncode != 0:
         raise SystemExit(f"quickstart: the {title} phase failed (exit {returncode}); its output is above")
+
+
+def start_script(command: list[str], environment: dict[str, str]) -> tuple[subprocess.Popen, bool]:
+    """The script started in a process group of its own, and whether a Ctrl-C came meanwhile: held until the process
+    is known (one raised inside Popen would leave a started script behind, unknown here, training on alone)."""
+    held, previous = [], signal.getsignal(signal.SIGINT)
+    if previous is not signal.SIG_IGN:  # (a background job's Ctrl-C stays ignored)
+        signal.signal(signal.SIGINT, lambda *_: held.append(True))
+    try:
+        process = subprocess.Popen(command, env=environment, cwd=REPO, process_group=0)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return process, bool(held)
 
 
 def prepare_assets(console, args) -> tuple[Path, Path]:

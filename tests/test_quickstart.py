@@ -6,6 +6,7 @@ tests/test_reward_units.py (`test_simulated_*_labeler_*`).
 """
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -303,6 +304,25 @@ def test_ctrl_c_keeps_the_work_and_the_same_command_continues(tiny_assets, tmp_p
     updates = [row["update"] for row in read_jsonl(metrics) if "objective/scores" in row]
     assert updates == list(range(1, 13)) and (output_dir / "summary.json").exists()
     assert not (output_dir / "policy" / "checkpoints").exists()  # the stop checkpoint goes once the run finished
+
+
+def test_ctrl_c_while_a_phases_script_starts_stops_that_script(monkeypatch):
+    """A Ctrl-C that arrives while Popen starts the script (its process exists, Popen has not returned): held until
+    the process is known, then passed on to it (SIGTERM), so that no script is left training on alone."""
+    started, popen = [], subprocess.Popen
+
+    def popen_then_ctrl_c(*args, **kwargs):
+        started.append(popen(*args, **kwargs))
+        os.kill(os.getpid(), signal.SIGINT)  # before Popen's caller has the process
+        return started[-1]
+
+    monkeypatch.setattr(quickstart.subprocess, "Popen", popen_then_ctrl_c)
+    console = type("Console", (), {"print": lambda self, *args, **kwargs: None})()
+    command = [sys.executable, "-c", "import time; time.sleep(120)"]
+    with pytest.raises(quickstart.Interrupted, match="policy"):
+        quickstart.run_script(console, "policy", command, dict(os.environ))
+    (process,) = started
+    assert process.poll() == -signal.SIGTERM  # stopped, and waited for
 
 
 def test_ctrl_c_before_a_phases_script_started_is_that_phases_and_starts_nothing(monkeypatch):
