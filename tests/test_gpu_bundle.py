@@ -186,7 +186,7 @@ def test_a_configuration_past_its_limit_is_recorded_and_leaves_nothing_behind(tm
     assert result.returncode == 0, result.stderr[-3000:]
     (line,) = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
     assert line["name"] == "tiny fp32" and line["failed"] == "time limit (10 s)", line
-    assert "--timeout 10 s reached" in Path(line["log"]).read_text()
+    assert "--timeout 10 s reached" in Path(line["log"]).read_text(), result.stderr[-3000:]
     assert not [process for process in Path("/proc").glob("[0-9]*") if has_check_tag(process)]
 
 
