@@ -44,6 +44,7 @@ os.environ[loopback.LOG_VARIABLE] = str(GUARD_LOG)
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(LOOPBACK_DIR), os.environ.get("PYTHONPATH")]))
 os.environ.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=str(Path(__file__).resolve().parents[1] / ".cache" / "pypi"))
 loopback.install()
+loopback.fewer_collections()  # as in every process the tests start (the guard's module says why)
 
 # `.ci/run` runs the suite on three pytest-xdist workers (`-n 3 --dist loadgroup`) on the machine's two cores: part of
 # the time a test waits (on Slurm's daemons, the Hub stand-in's retries, a signal's moment) and a third worker fills

@@ -362,6 +362,18 @@ def test_the_loopback_guard_stops_and_reports_any_other_address(guard_the_loopba
     assert loopback.is_loopback("127.0.0.1") and loopback.is_loopback("localhost") and loopback.is_loopback("::1")
 
 
+def test_the_tests_processes_collect_garbage_less_often_and_still_write_what_they_leave_open(tmp_path):
+    """fewer_collections (tests/loopback/sitecustomize.py), in a script the tests start: the collector's threshold
+    10,000, and a file the script never closed still written at exit (freed by reference counting, as before)."""
+    probe = ("import gc\n"
+             f"log = open({str(tmp_path / 'left-open.txt')!r}, 'w')\n"
+             "log.write('written at exit')\n"
+             "print(gc.get_threshold())\n")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=script_environment())
+    assert result.returncode == 0 and result.stdout.strip() == "(10000, 10, 10)", result.stderr
+    assert (tmp_path / "left-open.txt").read_text() == "written at exit"
+
+
 def test_the_guard_admits_only_the_private_hosts_of_a_tests_own_namespaces(tmp_path, monkeypatch):
     """$LOOPBACK_GUARD_HOSTS (the hosts file of the namespaces tests/test_slurm_two_nodes.py builds): its names and
     private addresses count as local; a public address in it, and any name or address not in it, do not."""

@@ -16,8 +16,13 @@ export probe (datasets-server.<HF_ENDPOINT's host>, `datasets.config.USE_PARQUET
 
 pip too: what the tests install or bundle with pip, and the wheels quickstart_assets.py reads, were downloaded before
 the tests ran (tests/fetch.py, which `.ci/run` runs), and tests/conftest.py points pip at them with no index.
+
+Beside the guard, one setting for speed (fewer_collections): the tests' processes run Python's cyclic garbage
+collector less often, and not at exit.
 """
 
+import atexit
+import gc
 import ipaddress
 import os
 import socket
@@ -160,5 +165,18 @@ class DatasetsConfigHook:
         return spec
 
 
+def fewer_collections() -> None:
+    """Python's cyclic garbage collector every 10,000 new container objects instead of every 700, and no collection
+    at exit (gc.freeze as the last exit handler: what is alive then is left to the operating system, as a killed
+    process's is; whatever reference counting frees is freed as before). Each collection walks the ~340,000 objects
+    that importing torch, torch._dynamo and transformers leaves, and Python's exit walks them several times (1.0
+    CPU-s of a 4-update tiny policy run's 10.3). Measured on that run (2-vCPU AMD EPYC): 10.3 CPU-s (median of 6)
+    -> 9.3 with no collection at exit -> 8.3 with both, its peak memory ~90 MiB higher. The tests' processes only:
+    when a reference cycle is freed is nothing the tests check, and the scripts close what they write."""
+    gc.set_threshold(10_000, 10, 10)
+    atexit.register(gc.freeze)  # registered first, so run last: after every other exit handler (weakref.finalize's)
+
+
 if __name__ == "sitecustomize":  # loaded by a script the tests start; conftest imports it under its own name
     install()
+    fewer_collections()
