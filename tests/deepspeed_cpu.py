@@ -3,20 +3,15 @@ SCRIPT FLAGS...` (or `... tests/deepspeed_cpu.py -m MODULE ARGS...`, e.g. benchm
 without GPUs accelerate picks no communication backend for DeepSpeed, so every process would run alone as rank 0 of 1
 (the scripts refuse that launch). Starting accelerate's process state with gloo first gives the DeepSpeed engine a
 real 2-process group; the script then runs as it would on GPUs. A CPU-only launch fix: it stays in the tests.
+(The other CPU-only fix, DeepSpeed's shared-memory op not built, is in every process the tests start:
+tests/loopback/sitecustomize.py, no_shared_memory_op.)"""
 
-Also CPU-only: DeepSpeed's CPU accelerator JIT-compiles a shared-memory collective (deepspeed_shm_comm, ~60 CPU-s)
-when its engine starts, and again whenever another Python environment built it last; only its inference all-reduce
-uses it (training's reductions are torch.distributed's, gloo here, NCCL on GPUs, where it is never built). Skipped
-here: the runs reduce exactly as without it, and no test waits on that build or its lock."""
-
-import importlib
 import runpy
 import sys
 
 from accelerate import PartialState
 
 if __name__ == "__main__":
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # (deepspeed.comm.torch is torch)
     PartialState(backend="gloo")  # (under DeepSpeed it starts DeepSpeed's communication backend)
     if sys.argv[1] == "-m":
         module, sys.argv = sys.argv[2], sys.argv[2:]

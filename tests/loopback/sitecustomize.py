@@ -17,8 +17,8 @@ export probe (datasets-server.<HF_ENDPOINT's host>, `datasets.config.USE_PARQUET
 pip too: what the tests install or bundle with pip, and the wheels quickstart_assets.py reads, were downloaded before
 the tests ran (tests/fetch.py, which `.ci/run` runs), and tests/conftest.py points pip at them with no index.
 
-Beside the guard, one setting for speed (fewer_collections): the tests' processes run Python's cyclic garbage
-collector less often, and not at exit.
+Beside the guard, two settings for speed: the tests' processes run Python's cyclic garbage collector less often, and
+not at exit (fewer_collections); DeepSpeed does not build its CPU-only shared-memory op in them (no_shared_memory_op).
 """
 
 import atexit
@@ -129,9 +129,7 @@ def install() -> None:
     socket.gethostbyaddr = guarded_lookup(gethostbyaddr)
     socket.socket.connect, socket.socket.connect_ex = guarded_connect(connect), guarded_connect(connect_ex)
     os.environ["HF_UPDATE_DOWNLOAD_COUNTS"] = "0"
-    sys.meta_path.insert(0, DatasetsConfigHook())
-    if "datasets.config" in sys.modules:
-        no_side_requests(sys.modules["datasets.config"])
+    after_import("datasets.config", no_side_requests)
 
 
 def no_side_requests(config) -> None:
@@ -139,30 +137,46 @@ def no_side_requests(config) -> None:
     config.HF_UPDATE_DOWNLOAD_COUNTS = False
 
 
-class DatasetsConfigHook:
-    """Sets no_side_requests on `datasets.config` right after it is imported (importing `datasets` here would add a
-    second to every script that never reads a Hub dataset)."""
+def after_import(name: str, patch) -> None:
+    """`patch(module)` as soon as the module `name` is imported (or now, if it is already): importing it here would
+    add its import time to every script that never uses it."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, AfterImport(name, patch))
+
+
+class AfterImport:
+    """The import hook of after_import: finds `name`'s spec as Python would, then patches the module once loaded."""
+
+    def __init__(self, name: str, patch):
+        self.name, self.patch = name, patch
 
     def find_spec(self, name, path=None, target=None):
-        if name != "datasets.config":
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
-        try:
-            import importlib.util
+        import importlib.util
 
-            spec = importlib.util.find_spec(name)
-        finally:
-            sys.meta_path.insert(0, self)
+        spec = importlib.util.find_spec(name)
         if spec is None or spec.loader is None:
             return spec
         exec_module = spec.loader.exec_module
 
-        def exec_and_set(module):
+        def exec_and_patch(module):
             exec_module(module)
-            no_side_requests(module)
+            self.patch(module)
 
-        spec.loader.exec_module = exec_and_set
+        spec.loader.exec_module = exec_and_patch
         return spec
+
+
+def no_shared_memory_op(comm_torch) -> None:
+    """DeepSpeed's CPU accelerator JIT-compiles a shared-memory collective (deepspeed_shm_comm, ~60 CPU-s) when its
+    engine starts, and again whenever another Python environment built it last; only its inference all-reduce uses
+    it (training's reductions are torch.distributed's: gloo here, NCCL on GPUs, where it is never built). Not built
+    in the tests' processes: their runs reduce exactly as without it, and no test waits on that build or its lock."""
+    comm_torch.build_shm_op = lambda: None
 
 
 def fewer_collections() -> None:
@@ -180,3 +194,4 @@ def fewer_collections() -> None:
 if __name__ == "sitecustomize":  # loaded by a script the tests start; conftest imports it under its own name
     install()
     fewer_collections()
+    after_import("deepspeed.comm.torch", no_shared_memory_op)
