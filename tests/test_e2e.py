@@ -137,8 +137,10 @@ def test_simulated_sentiment_labels_make_a_valid_label_file_and_train(tiny_asset
     assert re.search(r"^simulating labels: 1/\d+ \(\d+%\), \d+ s, ~\d+ s left$", result.stdout, re.M)
     assert re.search(r"^training reward model: (\d+)/\1 \(100%\), \d+ s, ~0 s left$", result.stdout, re.M)
     # the file it wrote is reusable as --label-dataset
-    result = run_script(REWARD, *small_reward_flags(tiny_assets, tmp_path / "again", "--dry-run"))
-    assert result.returncode == 0
+    written = {**tiny_assets, "written": tmp_path / "run" / "labels.json"}
+    result = run_script(REWARD, *reward_flags(written, tmp_path / "again", "--labels.num-train", "32", "--dry-run",
+                                              labels="written"))  # fmt: skip
+    assert result.returncode == 0 and '"dry_run": "ok"' in result.stdout, result.stderr[-3000:]
 
 
 def test_same_seed_twice_gives_identical_metrics(tiny_assets, tmp_path):
@@ -158,7 +160,7 @@ def test_same_seed_twice_gives_identical_metrics(tiny_assets, tmp_path):
 @pytest.fixture(scope="session")
 def policy_run(tiny_assets, reward_run, tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("policy") / "run"
-    flags = policy_flags(tiny_assets, reward_run / "reward_model", output_dir, "--ppo.total-episodes", "640")
+    flags = policy_flags(tiny_assets, reward_run / "reward_model", output_dir, "--ppo.total-episodes", "320")
     result = run_script(POLICY, *flags)
     assert result.returncode == 0, result.stderr[-3000:]
     return output_dir
@@ -166,14 +168,14 @@ def policy_run(tiny_assets, reward_run, tmp_path_factory):
 
 def test_ppo_raises_the_reward_model_score(policy_run):
     rows = [row for row in read_jsonl(policy_run / "metrics.jsonl") if "objective/scores" in row]
-    assert [row["update"] for row in rows] == list(range(1, 21))
+    assert [row["update"] for row in rows] == list(range(1, 11))
     fifth = len(rows) // 5
     first = sum(row["objective/scores"] for row in rows[:fifth]) / fifth
     last = sum(row["objective/scores"] for row in rows[-fifth:]) / fifth
-    assert last > first + 0.5, (first, last)  # measured: about -0.1 -> 0.8
+    assert last > first + 0.5, (first, last)  # measured, seeds 1-3: -3.7..-3.2 -> -1.5..-1.2 (1.6 at 20 updates)
     assert rows[0]["objective/kl"] == 0.0  # the policy starts as the reference policy
     assert all(row["ppo/policy/first_ratio_max_deviation"] == 0.0 for row in rows)  # rollout = first PPO forward
-    assert rows[0]["ppo/lr"] == pytest.approx(1e-3) and rows[-1]["ppo/lr"] == pytest.approx(1e-3 / 20)
+    assert rows[0]["ppo/lr"] == pytest.approx(1e-3) and rows[-1]["ppo/lr"] == pytest.approx(1e-3 / 10)
     assert rows[0]["objective/kl_coef"] == 0.15 and rows[1]["objective/kl_coef"] != 0.15  # adaptive
     for row in rows:  # the logged parts add up: a swap of kl and non_score_reward (one shape) would not
         kl_penalty = -row["objective/kl_coef"] * row["objective/kl"]
@@ -185,7 +187,7 @@ def test_ppo_raises_the_reward_model_score(policy_run):
     later = [row["ppo/val/var_explained"] for row in rows[-fifth:]]
     assert min(later) > rows[0]["ppo/val/var_explained"]  # the value head learns (it starts at 0: no variance)
     samples = read_jsonl(policy_run / "samples.jsonl")
-    assert {sample["update"] for sample in samples} == {1, 5, 10, 15, 20}
+    assert {sample["update"] for sample in samples} == {1, 5, 10}
     assert set(samples[0]) == {"update", "query", "response", "score", "kl", "total_reward"}
 
 
