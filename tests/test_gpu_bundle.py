@@ -115,10 +115,11 @@ def test_check_runs_offline_from_the_bundle_in_a_bare_environment(bundle, tmp_pa
     out, site = tmp_path / "gpu_check", tmp_path / "gpu_check" / "site-packages"
     env = {key: value for key, value in os.environ.items() if not key.startswith(("HF_", "PYTHON"))}
     env.update(PATH=f"{venv / 'bin'}:{env['PATH']}", BUNDLE=str(bundle), RUNS="tiny:zero2", BATCH="8", UPDATES="1",
-               LIMIT="300", ACCELERATE_USE_CPU="true", OUT_DIR=str(out), OMP_NUM_THREADS="2",
+               LIMIT="300", ACCELERATE_USE_CPU="true", OUT_DIR=str(out), OMP_NUM_THREADS="1",
                PYTHONPATH=str(LOOPBACK_DIR))  # fmt: skip
     # (PYTHONPATH: the tests' process setup, tests/loopback/sitecustomize.py, standard library only: no package of its
-    # own in the node's environment)
+    # own in the node's environment. One thread, as every script the suite starts (tests/conftest.py): with two, on
+    # cores the other workers keep busy, OpenMP's spinning threads tripled the check's CPU time, measured)
     # no network but the loopback (zero2's launcher meets its process there), the node's site-packages read-only (a
     # mount: root ignores file modes)
     setup = (f'ip link set lo up && mount --bind "{node_packages}" "{node_packages}" && '
