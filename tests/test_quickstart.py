@@ -319,8 +319,18 @@ def test_ctrl_c_while_a_phases_script_starts_stops_that_script(monkeypatch):
     monkeypatch.setattr(quickstart.subprocess, "Popen", popen_then_ctrl_c)
     console = type("Console", (), {"print": lambda self, *args, **kwargs: None})()
     command = [sys.executable, "-c", "import time; time.sleep(120)"]
-    with pytest.raises(quickstart.Interrupted, match="policy"):
-        quickstart.run_script(console, "policy", command, dict(os.environ))
+    # Ctrl-C as under a terminal: the suite run as a background job (`bash .ci/run &`) starts with SIGINT ignored,
+    # which the quick start keeps ignored (start_script), and the script would then sleep on unstopped
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(quickstart.Interrupted, match="policy"):
+            quickstart.run_script(console, "policy", command, dict(os.environ))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     (process,) = started
     assert process.poll() == -signal.SIGTERM  # stopped, and waited for
 
