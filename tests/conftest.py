@@ -28,7 +28,7 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig
 import run_utils  # noqa: E402
 from quickstart_assets import prepare_gpt2_tokenizer  # noqa: E402
 from tests.loopback import sitecustomize as loopback  # noqa: E402
-from tests.tiny_task import synthetic_sentences, write_tiny_gpt2  # noqa: E402
+from tests.tiny_task import synthetic_sentences, write_tiny_gpt2, write_tiny_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 """The repository root."""
@@ -139,6 +139,12 @@ def gpt2_tokenizer_dir() -> Path:
         return prepare_gpt2_tokenizer(REPO / ".cache")
 
 
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(gpt2_tokenizer_dir, tmp_path_factory) -> Path:
+    """GPT-2's tokenizer cut down to the tiny task (tests/tiny_task.py write_tiny_tokenizer): the tiny model's."""
+    return write_tiny_tokenizer(gpt2_tokenizer_dir, tmp_path_factory.mktemp("tiny-tokenizer"))
+
+
 GOOD_WORD = " good"  # the synthetic labeler prefers samples with more of this token
 
 
@@ -183,19 +189,20 @@ def tiny_gpt2_from_cache(directory: Path, tokenizer_dir: Path, corpus: list[str]
 
 
 @pytest.fixture(scope="session")
-def tiny_assets(gpt2_tokenizer_dir, tmp_path_factory) -> dict[str, Path]:
-    """Everything an offline end-to-end run needs: a tiny pretrained GPT-2, a query corpus and label files."""
+def tiny_assets(tiny_tokenizer_dir, tmp_path_factory) -> dict[str, Path]:
+    """Everything an offline end-to-end run needs: a tiny pretrained GPT-2 (with the tiny task's tokenizer), a query
+    corpus and label files."""
     root = tmp_path_factory.mktemp("tiny")
     corpus = synthetic_sentences(600, seed=1)
     (root / "corpus.txt").write_text("\n".join(corpus) + "\n")
-    labels = write_synthetic_labels(root / "labels.json", gpt2_tokenizer_dir, 2200)
+    labels = write_synthetic_labels(root / "labels.json", tiny_tokenizer_dir, 2200)
     # short runs train on a few records and evaluate on all the others: 128 records keep their evaluation small
     (root / "labels-128.json").write_text(json.dumps(json.loads(labels.read_text())[:128]))
     return dict(
         # still learning at 300 steps of lr 3e-3: its last hidden states vary with the context by ~5% (trained to the
         # end, 150 steps of lr 1e-2, a model of random words has nearly constant ones, 0.2%, and a fresh reward head
         # on it scores every sample alike to bf16's 3 digits)
-        model=tiny_gpt2_from_cache(root / "tiny-gpt2", gpt2_tokenizer_dir, corpus, steps=300, lr=3e-3),
+        model=tiny_gpt2_from_cache(root / "tiny-gpt2", tiny_tokenizer_dir, corpus, steps=300, lr=3e-3),
         corpus=root / "corpus.txt",
         labels=labels,
         small_labels=root / "labels-128.json",

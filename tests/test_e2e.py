@@ -103,7 +103,8 @@ def test_saved_reward_model_reloads_and_scores_identically(reward_run, tiny_asse
         scores = model(labels["queries"][held_out].repeat_interleave(4, 0), samples.flatten(0, 1)).view(-1, 4)
     final = [row for row in read_jsonl(reward_run / "metrics.jsonl") if "test/accuracy" in row][-1]
     assert (scores.argmax(1) == labels["best"][held_out]).sum().item() == round(final["test/accuracy"] * 192)
-    queries, responses = torch.randint(0, 50257, (3, 64)), torch.randint(0, 50257, (3, 24))
+    vocabulary = model.backbone.config.vocab_size  # the tiny task's tokenizer (tests/tiny_task.py)
+    queries, responses = torch.randint(0, vocabulary, (3, 64)), torch.randint(0, vocabulary, (3, 24))
     again = load_saved_reward_model(reward_run / "reward_model")
     with torch.no_grad():
         assert torch.equal(model(queries, responses), again(queries, responses))
@@ -122,11 +123,12 @@ def test_simulated_sentiment_labels_make_a_valid_label_file_and_train(tiny_asset
     result = run_script(REWARD, *flags)
     assert result.returncode == 0, result.stderr[-3000:]
     records = json.loads((tmp_path / "run" / "labels.json").read_text())
+    vocabulary = json.loads((tiny_assets["model"] / "config.json").read_text())["vocab_size"]
     assert len(records) == 48
     for record in records:
         assert len(record["query"]) == 64 and record["best"] in range(4)
         assert all(len(record[f"sample{i}"]) == 24 for i in range(4))
-        assert all(t < 50257 or t == 50259 for i in range(4) for t in record[f"sample{i}"])  # OAI's pad id
+        assert all(t < vocabulary or t == 50259 for i in range(4) for t in record[f"sample{i}"])  # OAI's pad id
     # the noisy labeler prefers positive samples: the chosen sample's VADER score beats the average one
     chosen = sum(r["scores"][r["best"]] for r in records) / len(records)
     average = sum(sum(r["scores"]) / 4 for r in records) / len(records)

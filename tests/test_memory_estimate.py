@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import memory_estimate
 import run_utils
@@ -176,13 +176,17 @@ def test_warn_if_memory_short_on_a_gpu_only(capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_dry_run_of_both_scripts_prints_the_estimate_and_the_flags(tiny_assets, tmp_path):
+def test_dry_run_of_both_scripts_prints_the_estimate_and_the_flags(tiny_assets, gpt2_tokenizer_dir, tmp_path):
     """--dry-run on a tiny local model: the estimate in the JSON line (the same as run_utils computes for these flags
     here, which on a CPU, without --gpu-memory-gb, warns of nothing); with --gpu-memory-gb below it, one line on
     stderr naming the flags; without a config here (a Hub model not in the cache) the estimate is listed as not
-    checked."""
+    checked. The model: 2 random layers with GPT-2's vocabulary, whose 13 MB of weights show in an estimate rounded
+    to 0.01 GB (the tiny task's model, ~400 tokens, weighs 0.4 MB)."""
     (tmp_path / "constant_reward.py").write_text("def score(queries, responses):\n    return [0.0] * len(queries)\n")
-    common = ["--base-model", str(tiny_assets["model"]), "--task.query-dataset", str(tiny_assets["corpus"]),
+    model = tmp_path / "model"
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=4, n_embd=64)).save_pretrained(model)
+    AutoTokenizer.from_pretrained(gpt2_tokenizer_dir).save_pretrained(model)
+    common = ["--base-model", str(model), "--task.query-dataset", str(tiny_assets["corpus"]),
               "--task.passage-rows", "1", "--dry-run", "--output-dir", str(tmp_path / "run")]  # fmt: skip
     policy = [*common, "--rewards.function", "constant_reward:score", "--ppo.batch-size", "64"]
     reward = [*common, "--label-dataset", str(tiny_assets["small_labels"]), "--labels.num-train", "64"]

@@ -28,6 +28,7 @@ from quickstart_assets import (
     review_snippets,
 )
 from tests.conftest import REPO
+from tests.tiny_task import synthetic_sentences
 
 CACHE = REPO / ".cache"
 QUERY_LENGTH = 8
@@ -118,6 +119,22 @@ def test_gpt2_tokenizer_matches_gpt2(gpt2_tokenizer_dir):
     assert len((gpt2_tokenizer_dir / "merges.txt").read_text(encoding="utf-8").splitlines()) == 1 + 50000
     for text in ["Hello world", "  two spaces\n\nnew lines\ttab", "Ünïcödé, emoji 🤗 and 日本語.", "<|endoftext|>"]:
         assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+
+
+def test_the_tiny_tasks_tokenizer_cuts_the_tiny_tasks_texts_as_gpt2_does(tiny_tokenizer_dir, gpt2_tokenizer_dir):
+    """tests/tiny_task.py write_tiny_tokenizer: the tiny corpus's lines (and the labels' samples, a space before them)
+    get GPT-2's very pieces; ids 0-255 are GPT-2's (13 is '.', 198 '\\n'); EOS is the last id; any text still
+    round-trips; a few hundred tokens in all."""
+    tiny, gpt2 = AutoTokenizer.from_pretrained(tiny_tokenizer_dir), AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)
+    lines = synthetic_sentences(300, seed=1)
+    for text in [*lines, *(" " + line for line in lines), "Good. bad\n"]:
+        assert tiny.convert_ids_to_tokens(tiny.encode(text)) == gpt2.convert_ids_to_tokens(gpt2.encode(text)), text
+    assert tiny.convert_ids_to_tokens(list(range(256))) == gpt2.convert_ids_to_tokens(list(range(256)))
+    assert tiny.encode(".") == [13] and tiny.encode("\n") == [198] and len(tiny.encode(" sat")) == 1
+    assert tiny.eos_token == "<|endoftext|>" and tiny.eos_token_id == len(tiny) - 1 and 300 < len(tiny) < 500
+    for text in ["Hello zebra", "  two spaces\n\nnew lines\ttab", "Ünïcödé, emoji 🤗 and 日本語.", "<|endoftext|>"]:
+        assert tiny.decode(tiny(text)["input_ids"]) == text
+    assert len(tiny.encode(" zebra")) > 1  # not the task's: smaller pieces
 
 
 def test_gpt2_tokenizer_second_call_is_cached(gpt2_tokenizer_dir):

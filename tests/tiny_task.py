@@ -1,8 +1,10 @@
 """A tiny language task that runs anywhere in seconds: the tests' inputs and the side-by-side with OpenAI's code.
 
-A corpus of short sentences over a 23-word vocabulary (sentiment words among them, and '.'), and a 2-layer GPT-2 with
-GPT-2's real 50,257-token vocabulary that has learned that corpus a little: it writes its words and ends sentences
-with '.', so truncation after '.' and a sentiment labeler both have something to work with.
+A corpus of short sentences over a 23-word vocabulary (sentiment words among them, and '.'), and a 2-layer GPT-2 that
+has learned that corpus a little: it writes its words and ends sentences with '.', so truncation after '.' and a
+sentiment labeler both have something to work with. The tests' model reads GPT-2's tokenizer cut down to the task
+(write_tiny_tokenizer: ~350 tokens, the corpus's pieces and ids 0-255 as GPT-2 has them); the side-by-side's keeps
+GPT-2's real 50,257-token vocabulary, which OpenAI's code encodes with.
 
 The model is a pure function of its arguments on any CPU: initialized from numpy's seeded legacy generator, trained
 in float64 on one thread, and every weight put on a grid of 2^-16 after every step (GRID). CPUs differ in the last
@@ -12,11 +14,12 @@ a weight only if it lands within 1e-18 of a grid midpoint (odds ~1e-13 per weigh
 the same weights. This is what lets a CI machine rebuild the exact weights that OpenAI's code saw on another machine
 (benchmark/openai/side_by_side_reference/). Adam's steps (~lr: 65 grid units at 1e-3) are what the grid keeps. Cheap on
 CPU: the embedding rows of tokens outside the corpus are 0, so their logits are exactly 0 and the full-vocabulary
-softmax needs only the corpus's ~40 logits plus a constant (V - 40) * exp(0).
-"""
+softmax needs only the corpus's ~40 logits plus a constant (V - 40) * exp(0)."""
 
+import json
 import math
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +30,9 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 WORDS = "the a cat dog sat on mat happy sad good bad great terrible house river tree bird sun moon ran saw big small".split()
 TINY_GPT2 = dict(n_layer=2, n_head=4, n_embd=64, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-"""The tiny model's shape (GPT-2's vocabulary; 256 positions), without dropout (the training scripts remove it too)."""
-EOS_ID, PERIOD_ID = 50256, 13  # GPT-2's <|endoftext|> and '.'
+"""The tiny model's shape (256 positions; the vocabulary is its tokenizer's), without dropout (the training scripts
+remove it too)."""
+EOS_ID, PERIOD_ID = 50256, 13  # GPT-2's <|endoftext|> and '.' (the side by side's warm starts)
 GRID = 2.0**-16
 """Every weight of the tiny model is a multiple of this after every training step (module docstring)."""
 
@@ -41,6 +45,41 @@ def synthetic_sentences(n: int, seed: int) -> list[str]:
         sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9))) for _ in range(rng.randint(2, 4))]
         lines.append(". ".join(sentences).capitalize() + ".")
     return lines
+
+
+def write_tiny_tokenizer(gpt2_tokenizer_dir: Path, directory: Path) -> Path:
+    """GPT-2's tokenizer cut down to the tiny task, saved in `directory`: GPT-2's 256 byte tokens (ids 0-255 as in
+    GPT-2: '.' is 13, '\\n' 198), the tokens GPT-2 makes of the task's words (alone, after a space, capitalized), each
+    with the merge that makes it and, recursively, that merge's parts, and <|endoftext|> last (EOS).
+
+    Each of GPT-2's 50,000 merges makes a token of its own, and BPE applies the lowest-ranked merge it can: with a
+    subset of the merges that holds every merge a word's pieces were made by, the word is cut into the same pieces.
+    So the task's texts get GPT-2's very tokens (in other ids), and any other text still encodes, in smaller pieces.
+    ~350 tokens in place of 50,257: the LM head, its softmax and their backward were ~3/4 of a tiny run's compute."""
+    full = json.loads((Path(gpt2_tokenizer_dir) / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab, merges = full["model"]["vocab"], full["model"]["merges"]
+    made_by = {left + right: (left, right) for left, right in merges}
+    assert len(made_by) == len(merges) == len(vocab) - 257, "not GPT-2's BPE table"
+    tokenizer = AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)
+    token_of = {index: token for token, index in vocab.items()}
+    kept = {token_of[index] for index in range(256)}
+    texts = [form for word in WORDS for form in (word, " " + word, word.capitalize(), " " + word.capitalize())]
+    pending = [token_of[index] for text in texts for index in tokenizer.encode(text)]
+    while pending:
+        token = pending.pop()
+        if token not in kept:
+            kept.add(token)
+            pending.extend(made_by[token])
+    ordered = sorted(kept, key=vocab.__getitem__)  # GPT-2's order: the byte tokens keep their ids
+    (special,) = full["added_tokens"]
+    full["model"]["vocab"] = {token: index for index, token in enumerate([*ordered, special["content"]])}
+    full["model"]["merges"] = [[left, right] for left, right in merges if left + right in kept]
+    special["id"] = len(ordered)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "tokenizer.json").write_text(json.dumps(full, ensure_ascii=False), encoding="utf-8")
+    shutil.copyfile(Path(gpt2_tokenizer_dir) / "tokenizer_config.json", directory / "tokenizer_config.json")
+    return directory
 
 
 def write_tiny_gpt2(
@@ -60,7 +99,9 @@ def write_tiny_gpt2(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: one thread is faster, immune to a busy machine, one summation order
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    model = GPT2LMHeadModel(GPT2Config(**TINY_GPT2)).double()
+    eos = tokenizer.eos_token_id
+    model = GPT2LMHeadModel(GPT2Config(**TINY_GPT2, vocab_size=len(tokenizer), bos_token_id=eos, eos_token_id=eos))
+    model = model.double()
     with torch.no_grad():  # GPT-2's initialization, drawn by numpy: weights N(0, 0.02), layer norms 1, biases 0
         for name, param in model.named_parameters():
             if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
