@@ -59,24 +59,29 @@ def metrics_rows(output_dir: Path) -> int:
 
 
 def choose_kill_point(name: str, rows: tuple[int, int]) -> tuple[int, float]:
-    """A reproducible random kill point: after how many metrics rows, then how many seconds into the next step (up to
-    0.1 s: about one step of these tiny runs, a policy update took 0.07 s alone, so even after the last row but one
-    the kill lands before the run's end)."""
+    """A reproducible random kill point: after how many metrics rows, then how far into the next step (a fraction of
+    a step's time, which run_and_interrupt measures as the run goes: on a fast machine or a slow one, the kill lands
+    inside the step after the row, so after the last row but one it still comes before the run's end)."""
     rng = random.Random(f"{KILL_SEED}-{name}")
-    return rng.randint(*rows), rng.uniform(0, 0.1)
+    return rng.randint(*rows), rng.uniform(0, 1)
 
 
-def run_and_interrupt(command: list[str], output_dir: Path, sig: int, after_rows: int = 0, delay: float = 0, env=None):
-    """Start a run, wait for its first checkpoint and for `after_rows` metrics rows, wait `delay` seconds more, then
-    send `sig` to its whole process group and every process under it (as Slurm or a node failure would); returns the
-    exit status and output."""
+def run_and_interrupt(command: list[str], output_dir: Path, sig: int, after_rows: int = 0, into_step: float = 0,
+                      env=None):  # fmt: skip
+    """Start a run, wait for its first checkpoint and for `after_rows` metrics rows, wait `into_step` of a step more
+    (a step: the time between the last two rows it saw, per row), then send `sig` to its whole process group and
+    every process under it (as Slurm or a node failure would); returns the exit status and output."""
     process = subprocess.Popen(command, env=env or script_environment(), cwd=REPO, start_new_session=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    deadline = time.time() + 300
+    deadline, arrivals = time.time() + 300, [(0, time.time())]  # (rows seen, when first seen)
     while process.poll() is None and time.time() < deadline:
-        if checkpoints(output_dir) and metrics_rows(output_dir) >= after_rows:
+        if (rows := metrics_rows(output_dir)) > arrivals[-1][0]:
+            arrivals.append((rows, time.time()))
+        if checkpoints(output_dir) and rows >= after_rows:
             break
         time.sleep(0.02)
+    (rows_before, seen_before), (rows_last, seen_last) = arrivals[-2:] if len(arrivals) > 2 else [(0, 0.0), (1, 0.0)]
+    delay = into_step * (seen_last - seen_before) / (rows_last - rows_before)
     time.sleep(delay)
     if process.poll() is None:
         logged = metrics_rows(output_dir)
