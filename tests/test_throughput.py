@@ -1,6 +1,7 @@
 """benchmark/speed/throughput.py runs the real training loops on a random-weight model and reports one JSON line
 each."""
 
+import contextlib
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -84,19 +86,33 @@ def test_a_stopped_or_timed_out_run_leaves_no_process_and_no_temporary_file(gpt2
     command = [*TINY_POLICY, "--updates", "1000", f"--launcher={accelerate_launcher(2)}"]
     env = cpu_environment(TMPDIR=str(temporary), THROUGHPUT_TEST_TAG=str(tmp_path))
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    deadline = time.monotonic() + 300
-    while len(tagged(str(tmp_path))) < 4 and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)  # throughput.py, the launcher, 2 workers
-    assert list(temporary.rglob("corpus.txt")), "the run has its temporary directory"
-    process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 143, stderr[-3000:]
-    assert tagged(str(tmp_path)) == [] and not list(temporary.rglob("corpus.txt"))
-    result = subprocess.run(
-        [*command, "--timeout", "8"], capture_output=True, text=True, timeout=300, env=env, cwd=REPO
-    )
-    assert result.returncode == throughput.TIMED_OUT and "--timeout 8 s" in result.stderr, result.stderr[-3000:]
-    assert tagged(str(tmp_path)) == [] and not list(temporary.rglob("corpus.txt"))
+    try:
+        deadline, start = time.monotonic() + 300, time.monotonic()
+        running = lambda: len(tagged(str(tmp_path))) >= 4 and list(temporary.rglob("corpus.txt"))  # noqa: E731
+        while not running() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # throughput.py, the launcher, 2 workers, and the run's files in its temporary directory
+        seen = []
+        for pid in tagged(str(tmp_path)):
+            with contextlib.suppress(psutil.Error):  # gone meanwhile
+                seen.append(" ".join(psutil.Process(pid).cmdline()[:4]))
+        assert list(temporary.rglob("corpus.txt")), (
+            f"the run has its temporary directory: after {time.monotonic() - start:.0f} s, exit {process.poll()}, "
+            f"running {seen}, in {temporary}: {sorted(str(path) for path in temporary.rglob('*'))[:20]}"
+        )
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+        assert process.returncode == 143, stderr[-3000:]
+        assert tagged(str(tmp_path)) == [] and not list(temporary.rglob("corpus.txt"))
+        result = subprocess.run(
+            [*command, "--timeout", "8"], capture_output=True, text=True, timeout=300, env=env, cwd=REPO
+        )
+        assert result.returncode == throughput.TIMED_OUT and "--timeout 8 s" in result.stderr, result.stderr[-3000:]
+        assert tagged(str(tmp_path)) == [] and not list(temporary.rglob("corpus.txt"))
+    finally:  # a failed check leaves nothing running for the rest of the suite (once it left 3 processes on 2 cores)
+        for pid in [process.pid, *tagged(str(tmp_path))]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.wait(timeout=60)
 
 
 def test_mfu_peak_is_measured_in_the_runs_precision():
