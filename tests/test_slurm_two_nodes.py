@@ -116,11 +116,12 @@ def reward_model(tiny_assets, tmp_path_factory) -> Path:
 
 
 def policy_flags(assets, reward_model: Path, output_dir: Path) -> list[str]:
-    """tests/test_resume.py's tiny run: 8 updates of 16 episodes, a checkpoint every 2."""
+    """tests/test_resume.py's tiny run, twice as long: 16 updates of 16 episodes, a checkpoint every 2 (with 8, the
+    requeue sent once the first checkpoint was seen landed with 2 updates to spare, on an idle machine)."""
     return ["--base-model", str(assets["model"]), "--rewards.trained-model", str(reward_model),
             "--task.query-dataset", str(assets["corpus"]), "--output-dir", str(output_dir),
             "--task.query-length", "16", "--task.response-length", "8", "--task.truncate-after", "2",
-            "--ppo.batch-size", "16", "--ppo.whitening-ranks", "2", "--ppo.total-episodes", "128", "--ppo.lr", "1e-3",
+            "--ppo.batch-size", "16", "--ppo.whitening-ranks", "2", "--ppo.total-episodes", "256", "--ppo.lr", "1e-3",
             "--print-sample-output-freq", "3", "--checkpoint-every", "2"]  # fmt: skip
 
 
@@ -235,8 +236,8 @@ def test_policy_on_two_nodes_requeued_mid_run_resumes_bit_identically(
     assert stopped and resumed, context
     assert resumed.group(1) == stopped.group(2) and int(resumed.group(2)) == int(stopped.group(1)) + 1, context
     updates = [row["update"] for row in read_jsonl(output_dir / "metrics.jsonl") if "objective/scores" in row]
-    assert updates == list(range(1, 9))  # exactly one row per update
+    assert updates == list(range(1, 17))  # exactly one row per update
     largest = assert_same_run(output_dir, reference)
     print(
-        f"requeued after {updates_before} of 8 updates, stopped after {stopped.group(1)}: largest difference {largest}"
+        f"requeued after {updates_before} of 16 updates, stopped after {stopped.group(1)}: largest difference {largest}"
     )
