@@ -27,12 +27,25 @@ def test_throughput_harness_reports_both_stages(gpt2_tokenizer_dir):
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     reward, policy = (json.loads(line) for line in result.stdout.strip().splitlines()[-2:])
-    assert reward["stage"] == "reward" and reward["seconds_per_step"] > 0 and 0 < reward["mfu"] < 1
+    assert reward["stage"] == "reward" and reward["seconds_per_step"] > 0 and reward["mfu"] > 0
     assert reward["eval_seconds_per_label"] > 0
     assert policy["stage"] == "policy" and policy["tokens_per_second"] > 0
     assert set(policy["phases"]) == {"time/generation", "time/logprobs", "time/scoring", "time/ppo_epochs"}
     assert abs(sum(policy["phases"].values()) - policy["seconds_per_update"]) < 1e-6
-    assert 0 < policy["mfu_ppo_epochs"] < 1 and policy["peak_memory_gb"] > 0
+    assert policy["mfu_ppo_epochs"] > 0 and policy["peak_memory_gb"] > 0
+    # MFU = model FLOPs / time / the peak, two timings of other moments (the peak's matrix products first, the steps
+    # later): beside the suite's other workers either can be slowed alone, and an MFU of 1.02 was seen, so no bound
+    # of 1 here; what holds under any load is the FLOPs each MFU stands for, counted by hand for throughput.py's tiny
+    # GPT-2 (2 layers, d 128, 1024 positions, GPT-2's vocabulary; tests/test_run_utils.py checks the formula): 2 per
+    # trunk parameter and token (the reward model: 6, a forward and a backward, over a query and its 4 samples), and
+    # the LM head on the responses; the PPO epochs: 2 epochs of 3 forwards' worth of 8 rows of 16 + 12 tokens
+    d, vocabulary = 128, 50257
+    trunk = 1024 * d + 2 * (12 * d * d + 13 * d) + 2 * d
+    reward_flops = 6 * trunk * 8 * (16 + 4 * 12)
+    assert reward["mfu"] * reward["peak_tflops"] * 1e12 * reward["seconds_per_step"] == pytest.approx(reward_flops)
+    policy_flops = 2 * 3 * (2 * trunk * 8 * (16 + 12) + 2 * d * vocabulary * 8 * 12)
+    epochs = policy["phases"]["time/ppo_epochs"]
+    assert policy["mfu_ppo_epochs"] * policy["peak_tflops"] * 1e12 * epochs == pytest.approx(policy_flops)
     assert policy["first_ratio_max_deviation"] == [0.0, 0.0]  # each update's: the warm-up and the measured one
 
 
