@@ -80,8 +80,11 @@ def run_and_interrupt(command: list[str], output_dir: Path, sig: int, after_rows
         if checkpoints(output_dir) and rows >= after_rows:
             break
         time.sleep(0.02)
-    (rows_before, seen_before), (rows_last, seen_last) = arrivals[-2:] if len(arrivals) > 2 else [(0, 0.0), (1, 0.0)]
-    delay = into_step * (seen_last - seen_before) / (rows_last - rows_before)
+    step = 0.0  # unknown before two rows were seen (the first row's time includes the start-up)
+    if len(arrivals) > 2:
+        (rows_before, seen_before), (rows_last, seen_last) = arrivals[-2:]
+        step = (seen_last - seen_before) / (rows_last - rows_before)
+    delay = into_step * step
     time.sleep(delay)
     if process.poll() is None:
         logged = metrics_rows(output_dir)

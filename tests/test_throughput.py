@@ -121,7 +121,7 @@ def test_a_stopped_or_timed_out_run_leaves_no_process_and_no_temporary_file(gpt2
         )
         assert result.returncode == throughput.TIMED_OUT and "--timeout 8 s" in result.stderr, result.stderr[-3000:]
         assert tagged(str(tmp_path)) == [] and not list(temporary.rglob("corpus.txt"))
-    finally:  # a failed check leaves nothing running for the rest of the suite (once it left 3 processes on 2 cores)
+    finally:  # a failed check leaves nothing running for the rest of the suite (once it left 4 processes on the 2 cores)
         for pid in [process.pid, *tagged(str(tmp_path))]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

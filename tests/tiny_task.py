@@ -3,7 +3,7 @@
 A corpus of short sentences over a 23-word vocabulary (sentiment words among them, and '.'), and a 2-layer GPT-2 that
 has learned that corpus a little: it writes its words and ends sentences with '.', so truncation after '.' and a
 sentiment labeler both have something to work with. The tests' model reads GPT-2's tokenizer cut down to the task
-(write_tiny_tokenizer: ~350 tokens, the corpus's pieces and ids 0-255 as GPT-2 has them); the side-by-side's keeps
+(write_tiny_tokenizer: ~400 tokens, the corpus's pieces and ids 0-255 as GPT-2 has them); the side-by-side's keeps
 GPT-2's real 50,257-token vocabulary, which OpenAI's code encodes with.
 
 The model is a pure function of its arguments on any CPU: initialized from numpy's seeded legacy generator, trained
@@ -14,7 +14,8 @@ a weight only if it lands within 1e-18 of a grid midpoint (odds ~1e-13 per weigh
 the same weights. This is what lets a CI machine rebuild the exact weights that OpenAI's code saw on another machine
 (benchmark/openai/side_by_side_reference/). Adam's steps (~lr: 65 grid units at 1e-3) are what the grid keeps. Cheap on
 CPU: the embedding rows of tokens outside the corpus are 0, so their logits are exactly 0 and the full-vocabulary
-softmax needs only the corpus's ~40 logits plus a constant (V - 40) * exp(0)."""
+softmax needs only the corpus's ~40 logits plus a constant (V - 40) * exp(0).
+"""
 
 import json
 import math
@@ -55,7 +56,7 @@ def write_tiny_tokenizer(gpt2_tokenizer_dir: Path, directory: Path) -> Path:
     Each of GPT-2's 50,000 merges makes a token of its own, and BPE applies the lowest-ranked merge it can: with a
     subset of the merges that holds every merge a word's pieces were made by, the word is cut into the same pieces.
     So the task's texts get GPT-2's very tokens (in other ids), and any other text still encodes, in smaller pieces.
-    ~350 tokens in place of 50,257: the LM head, its softmax and their backward were ~3/4 of a tiny run's compute."""
+    ~400 tokens in place of 50,257: the LM head, its softmax and their backward were ~3/4 of a tiny run's compute."""
     full = json.loads((Path(gpt2_tokenizer_dir) / "tokenizer.json").read_text(encoding="utf-8"))
     vocab, merges = full["model"]["vocab"], full["model"]["merges"]
     made_by = {left + right: (left, right) for left, right in merges}
