@@ -52,6 +52,62 @@ def clean_query_text(text: str, task_name: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", text).strip()
 
 
+def query_texts(texts: list[str], task, tokenizer) -> list[str]:
+    """What the tokenizer makes each text's query of: the text cleaned as its task's (clean_query_text), or with
+    --task.chat-template the text as the dataset holds it, between --task.query-prefix and --task.query-suffix, as one
+    user turn of the base model's chat template with the generation prompt (the assistant's turn, opened)."""
+    if not task.chat_template:
+        return [clean_query_text(text, task.name) for text in texts]
+    return [chat_prompt(tokenizer, task.query_prefix + text + task.query_suffix) for text in texts]
+
+
+def truncate_token_id(tokenizer, task) -> int:
+    """The id of the token that ends a response: --task.truncate-token ('.' is 13 in GPT-2, '\\n' 198), or with
+    --task.chat-template the template's end-of-turn token (SmolLM2's <|im_end|>); it must be one token."""
+    flag, text = "--task.truncate-token", task.truncate_token
+    if task.chat_template:
+        flag, text = "--task.chat-template: the template's end of turn", end_of_turn_text(tokenizer)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        fail(f"{flag} {text!r} is {len(ids)} tokens, not 1")
+    return ids[0]
+
+
+CHAT_MARKER = "RLHFMARKER7"
+"""A text no chat template writes: where it lands in a rendered conversation shows what the template puts after an
+assistant's answer."""
+
+
+def chat_prompt(tokenizer, text: str) -> str:
+    """`text` as the user's turn of a conversation in the tokenizer's chat template, the assistant's turn opened."""
+    flag = "--task.chat-template"
+    if not getattr(tokenizer, "chat_template", None):
+        fail(f"{flag}: the tokenizer of --base-model {tokenizer.name_or_path!r} has no chat template (its "
+             "tokenizer_config.json or chat_template.jinja names none): a base model, not a chat model")  # fmt: skip
+    try:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)  # fmt: skip
+    except Exception as error:  # jinja2's errors, and whatever a template raises
+        fail(f"{flag}: the chat template of --base-model {tokenizer.name_or_path!r} fails ({first_line(error)})")
+
+
+def end_of_turn_text(tokenizer) -> str:
+    """The text the chat template puts right after an assistant's answer, up to the first whitespace: the token that
+    ends a turn (SmolLM2 and Qwen: <|im_end|>, Llama 3: <|eot_id|>, Gemma: <end_of_turn>)."""
+    chat_prompt(tokenizer, "")  # a template, and one that renders
+    conversation = [{"role": "user", "content": "U"}, {"role": "assistant", "content": CHAT_MARKER}]
+    try:
+        rendered = tokenizer.apply_chat_template(conversation, tokenize=False)
+    except Exception as error:
+        fail(f"--task.chat-template: the chat template of --base-model {tokenizer.name_or_path!r} cannot render an "
+             f"answer ({first_line(error)})")  # fmt: skip
+    after = re.match(r"\s*(\S*)", rendered.split(CHAT_MARKER, 1)[-1]).group(1) if CHAT_MARKER in rendered else ""
+    if not after:
+        fail(f"--task.chat-template: the chat template of --base-model {tokenizer.name_or_path!r} ends an answer with "
+             "no end-of-turn text: no token would end a response")  # fmt: skip
+    return after
+
+
 def join_rows(rows: list[str]) -> str:
     """Consecutive rows (sentences) as one text, empty rows left out."""
     return " ".join(row for row in rows if row)
@@ -74,6 +130,7 @@ class QueryTexts:
 
     def __init__(self, name: str, config: Optional[str], field: str, rows_per_text: int = 1):
         self.name, self.config, self.field, self.rows_per_text = name, config, field, rows_per_text
+        self.records, self.carried = None, ()  # the rows whole (a JSON list, a Hub dataset); the fields to hand on
         if os.path.isdir(name) and not any(os.scandir(name)):
             fail(f"--task.query-dataset {name!r}: an empty directory")
         self.rows = self.read_file() if os.path.isfile(name) else self.read_dataset()
@@ -94,6 +151,39 @@ class QueryTexts:
             raise IndexError(index)
         first = int(index) * self.rows_per_text
         return join_rows(self.rows[first : first + self.rows_per_text])
+
+    @property
+    def columns(self) -> list[str]:
+        """The dataset's columns besides --task.query-field (a .jsonl / .json file: the keys every record has; a .txt
+        file has none)."""
+        if self.records is None:
+            return []
+        if isinstance(self.records, list):
+            common = set(self.records[0]).intersection(*self.records[1:]) if self.records else set()
+            return [key for key in self.records[0] if key in common and key != self.field] if self.records else []
+        return [name for name in self.records.column_names if name != self.field]
+
+    def carry(self, names: tuple[str, ...], flag: str) -> None:
+        """Hand on these columns with every text (`fields`): what `flag`'s function asks for, checked here in one
+        line each: the dataset has them, and a text is one row (a passage of several rows has no one value)."""
+        missing = [name for name in names if name not in self.columns]
+        if missing:
+            fail(f"{flag} asks for the column{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))}, which "
+                 f"--task.query-dataset {self.name!r} lacks (its columns besides --task.query-field {self.field!r}: "
+                 f"{self.columns or 'none'})")  # fmt: skip
+        if names and self.rows_per_text != 1:
+            fail(f"{flag} asks for the columns {list(names)}, but --task.passage-rows {self.rows_per_text} joins "
+                 "several rows into one text: set it to 1")  # fmt: skip
+        self.carried = tuple(names)
+
+    def fields(self, indices: list[int]) -> dict[str, list]:
+        """The carried columns' values of texts `indices`, one list per column ({} when none is carried)."""
+        if not self.carried:
+            return {}
+        if isinstance(self.records, list):
+            return {name: [self.records[index][name] for index in indices] for name in self.carried}
+        rows = self.records.select_columns(list(self.carried))[list(indices)]  # one read of the Arrow files
+        return {name: rows[name] for name in self.carried}
 
     def read_file(self) -> list[str]:
         path, flag = self.name, "--task.query-dataset"
@@ -122,6 +212,7 @@ class QueryTexts:
                     fail(f"{flag} {path!r}: {at} has no field {self.field!r} (--task.query-field)")
                 if not isinstance(row[self.field], str):
                     fail(f"{flag} {path!r}: {at}: {self.field!r} is {json.dumps(row[self.field])}, not a text")
+            self.records = rows
             return [row[self.field] for row in rows]
         return content.splitlines()
 
@@ -156,13 +247,14 @@ class QueryTexts:
         feature = dataset.features[self.field]
         if getattr(feature, "dtype", None) not in ("string", "large_string"):
             fail(f"--task.query-field {self.field!r} of {self.name} holds {feature}, not text")
+        self.records = dataset
         return dataset[self.field]
 
     def epoch(self, epoch: int, seed: int, rank: int, world_size: int, start: int = 0):
-        """This process's texts of one epoch in a seeded order that all processes share (process r takes every
-        world_size-th), from the `start`-th on."""
+        """This process's texts of one epoch, as their indices, in a seeded order that all processes share (process r
+        takes every world_size-th), from the `start`-th on."""
         order = np.random.default_rng([seed, epoch]).permutation(len(self))[rank::world_size]
-        return (self[i] for i in order[start:])
+        return (int(i) for i in order[start:])
 
 
 PARQUET_CONVERSION = "refs/convert/parquet"

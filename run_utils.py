@@ -204,19 +204,39 @@ def replace_fields(config, values: dict):
     return config
 
 
+CHAT_TEMPLATE_DEFAULTS = {"task.passage_rows": 1, "task.start_text": "", "task.end_text": "", "task.truncate_token": "",
+                          "task.truncate_after": 0, "task.stop_when_ended": True}  # fmt: skip
+"""The task flags' defaults with --task.chat-template: a text is one whole prompt (one row, not cut at a start or end
+text), a response ends at the template's end-of-turn token wherever it comes, and sampling stops once all have."""
+
+
 def task_cli(task_defaults, args: Optional[list[str]] = None, **cli_options):
     """tyro.cli over `task_defaults(name)`, a script's Args at the defaults of the `--task.name` on the command line
-    (read first): `--task.name tldr --help` shows tldr's defaults, and a flag given wins over them, even one equal to
-    the books tasks' value."""
+    (read first), and CHAT_TEMPLATE_DEFAULTS on top with --task.chat-template: `--task.name tldr --help` shows tldr's
+    defaults, and a flag given wins over them, even one equal to the books tasks' value."""
     args = sys.argv[1:] if args is None else list(args)
-    name = None
+    name, chat = None, False
     for i, flag in enumerate(args):
         if flag == "--task.name" and i + 1 < len(args):
             name = args[i + 1]
         elif flag.startswith("--task.name="):
             name = flag.removeprefix("--task.name=")
-    default = task_defaults(name)
+        elif flag in ("--task.chat-template", "--task.no-chat-template"):
+            chat = flag == "--task.chat-template"
+    default = replace_fields(task_defaults(name), CHAT_TEMPLATE_DEFAULTS if chat else {})
     return tyro.cli(type(default), default=default, args=args, **cli_options)
+
+
+def check_chat_task(task) -> None:
+    """--task.chat-template with the task flags it replaces: the template holds each text whole, and its end-of-turn
+    token ends a response (CHAT_TEMPLATE_DEFAULTS make them '')."""
+    if task.chat_template:
+        for flag, value, why in (("--task.start-text", task.start_text, "the template holds each text whole"),
+                                 ("--task.end-text", task.end_text, "the template holds each text whole"),
+                                 ("--task.truncate-token", task.truncate_token,
+                                  "the template's end-of-turn token ends a response")):  # fmt: skip
+            if value:
+                fail(f"{flag} {value!r} with --task.chat-template: {why}; leave {flag} out")
 
 
 def check_run_args(args, ranges: dict[str, tuple]) -> None:

@@ -141,20 +141,28 @@ class TaskHParams:
     response_length: int = 24
     """tokens sampled per response, never stopped early at EOS"""
     truncate_token: str = "."
-    """text of the token that ends a response after `truncate_after`; it must be one token of the tokenizer"""
+    """text of the token that ends a response after `truncate_after`; it must be one token of the tokenizer ('' with
+    --task.chat-template, whose end-of-turn token ends a response)"""
     truncate_after: int = 16
     """a response is cut after the first truncate token at response index >= this"""
     temperature: float = 0.7
     """sampling temperature"""
+    chat_template: bool = False
+    """each text whole, between --task.query-prefix and --task.query-suffix, as the user's turn in the base model's chat
+    template (--task.query-length counts it all: a longer prompt is skipped); the template's end-of-turn token ends a
+    response. Defaults then: no start, end or truncate text, --task.passage-rows 1 --task.truncate-after 0, stopping"""
+    stop_when_ended: bool = False
+    """stop sampling once every response of the batch has ended (truncate token at index >= truncate_after); OAI: never"""
     scale_logprobs: bool = True
     """compute every log-prob from logits / temperature, as sampled; --task.no-scale-logprobs: from the raw logits"""
     penalty_reward_value: float = -1.0
     """score of a response with no truncate token at index >= truncate_after"""
     rejection_sampling: bool = True
     """truncate responses and score the uncut ones the penalty; --task.no-rejection-sampling: score them as sampled"""
-    gold_labeler: Optional[Literal["sentiment", "descriptiveness"]] = None
+    gold_labeler: Optional[str] = None
     """score held-out samples with a simulated labeler too (eval/gold_score next to eval/rm_score): shows whether the
-    policy really improves or exploits the reward model"""
+    policy really improves or exploits the reward model; sentiment, descriptiveness, or a module:callable that takes
+    what a --rewards.function takes (an answer check)"""
 
 
 @dataclass
@@ -222,14 +230,6 @@ def load_tokenizer(name_or_path: str):
     return tokenizer
 
 
-def single_token_id(tokenizer, text: str, flag: str) -> int:
-    """The id of `text`, the value of `flag`, which must be one token ('.' is 13 in GPT-2, '\\n' 198)."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) != 1:
-        run_utils.fail(f"{flag} {text!r} is {len(ids)} tokens, not 1")
-    return ids[0]
-
-
 def config_without_dropout(name_or_path: str):
     """The model's config with every dropout probability set to 0."""
     # detail: dropout disabled — OAI trains without dropout (policy.py do_dropout=False); eval mode alone would leave
@@ -293,15 +293,17 @@ def vocabulary_logits(lm: nn.Module, hidden: torch.Tensor, pad_id: int) -> torch
 
 @torch.no_grad()
 def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, response_length: int, temperature: float,
-                     samples_per_context: int = 1):  # fmt: skip
+                     samples_per_context: int = 1, stop: Optional[tuple[int, int]] = None):  # fmt: skip
     """Sample `response_length` tokens after each left-padded context, one at a time with the KV cache, as OAI's
     language/sample.py sample_sequence: (B, T) responses, B = contexts x samples_per_context (each context's rows
-    together; its forward runs once and its keys and values are shared by its samples)."""
+    together; its forward runs once and its keys and values are shared by its samples). With `stop` (the truncate
+    token's id, truncate_after: --task.stop-when-ended), the sampling stops once every row has ended: (B, T' <= T)."""
     # detail: fixed-length responses — exactly response_length tokens drawn from softmax(logits / temperature): no
     # top-k, no top-p, never stopped at EOS (OAI language/sample.py sample_sequence)
     attention_mask = contexts != pad_id
     position_ids = attention_mask.cumsum(1) - attention_mask.long()  # as padded_forward: pads don't count
     input_ids, steps = torch.where(attention_mask, contexts, 0), []
+    ended = torch.zeros(len(contexts) * samples_per_context, dtype=torch.bool, device=contexts.device)  # (B,)
     kv_cache = DynamicCache()  # the keys and values of every position so far, filled in place by each forward
     for step in range(response_length):
         output = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -315,6 +317,10 @@ def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, respons
         logits = vocabulary_logits(lm, hidden, pad_id) / temperature  # (B, V)
         token = draw_tokens(F.softmax(logits, dim=-1))  # (B, 1)
         steps.append(token)
+        if stop is not None:  # a row has ended at its truncate token at index >= truncate_after (truncate_responses)
+            ended |= (token[:, 0] == stop[0]) & (step >= stop[1])
+            if ended.all():
+                break
         input_ids, position_ids = token, position_ids[:, -1:] + 1
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
     return torch.cat(steps, 1)
@@ -369,7 +375,12 @@ def linear_lr(base_lr: float, step: int, num_steps: int) -> float:
 
 def query_from_text(tokenizer, text_tokens: list[int], task, pad_id: int) -> Optional[list[int]]:
     """A query of `task.query_length` token ids, right-padded, or None if the text yields none. The prefix and suffix
-    come later (`QueryStream.format`): the reward model and the label files see the bare query."""
+    come later (`QueryStream.format`): the reward model and the label files see the bare query. With
+    --task.chat-template the tokens are the whole prompt in the template, kept whole or, longer than query_length,
+    not at all (cut, it would lose the assistant's opened turn)."""
+    if task.chat_template:
+        fits = len(text_tokens) <= task.query_length
+        return text_tokens + [pad_id] * (task.query_length - len(text_tokens)) if fits else None
     # detail: queries that start and end with a period — OAI language/datasets.py: start after the first start_text
     # (a text whose first one is its last token is kept whole), keep query_length tokens, end after the last
     # end_text; texts without start or end text yield no query
@@ -398,36 +409,40 @@ def find(tokenizer, tokens: list[int], text: str) -> tuple[list[int], list[int]]
 
 
 class QueryStream:
-    """Endless batches of left-padded queries (B, query_length) from `texts` (an rlhf_data.QueryTexts): every epoch in
-    a seeded order that all processes share (process r reads every world_size-th text, so none repeats a text another
-    process uses in the same epoch), cleaned and tokenized lazily in chunks, the texts in `exclude` skipped (the
-    policy's held-out queries). `format` turns queries into the policy's contexts."""
+    """Endless batches of left-padded queries (B, query_length) from `texts` (an rlhf_data.QueryTexts), each with the
+    dataset's fields of its text that `texts` carries (for --rewards.function): every epoch in a seeded order that all
+    processes share (process r reads every world_size-th text, so none repeats a text another process uses in the same
+    epoch), cleaned and tokenized lazily in chunks, the texts in `exclude` skipped (the policy's held-out queries).
+    `format` turns queries into the policy's contexts."""
 
     def __init__(self, texts, tokenizer, task, pad_id, seed, rank=0, world_size=1, exclude=frozenset(), chunk=256):
         self.texts, self.tokenizer, self.task, self.pad_id, self.exclude = texts, tokenizer, task, pad_id, exclude
         self.seed, self.rank, self.world_size, self.chunk = seed, rank, world_size, chunk
-        self.epoch, self.used, self.produced, self.buffer = 0, 0, 0, []
-        self.source = texts.epoch(self.epoch, seed, rank, world_size)
+        self.epoch, self.used, self.produced, self.buffer = 0, 0, 0, []  # buffer: [text index, query] pairs
+        self.source = texts.epoch(self.epoch, seed, rank, world_size)  # the text indices, in this epoch's order
 
-    def next_batch(self, n: int) -> torch.Tensor:
+    def next_batch(self, n: int, device="cpu") -> tuple[torch.Tensor, dict[str, list]]:
+        """n queries (n, C) on `device`, and their texts' fields (texts.fields: name -> n values, or {})."""
         while len(self.buffer) < n:
-            texts = list(itertools.islice(self.source, self.chunk))
-            if not texts:  # the end of an epoch
+            rows = list(itertools.islice(self.source, self.chunk))
+            if not rows:  # the end of an epoch
                 if self.produced == 0:
                     run_utils.fail(f"--task.query-dataset {self.task.query_dataset!r}: no text yields a query")
                 self.epoch, self.used, self.produced = self.epoch + 1, 0, 0
                 self.source = self.texts.epoch(self.epoch, self.seed, self.rank, self.world_size)
                 continue
-            self.used += len(texts)
-            texts = [text for text in texts if text not in self.exclude]
-            cleaned = [rlhf_data.clean_query_text(text, self.task.name) for text in texts]
-            for tokens in self.tokenizer(cleaned, add_special_tokens=False)["input_ids"] if texts else []:
+            self.used += len(rows)
+            rows = [row for row in rows if self.texts[row] not in self.exclude]
+            cleaned = rlhf_data.query_texts([self.texts[row] for row in rows], self.task, self.tokenizer)
+            tokenized = self.tokenizer(cleaned, add_special_tokens=False)["input_ids"] if rows else []
+            for row, tokens in zip(rows, tokenized, strict=True):
                 query = query_from_text(self.tokenizer, tokens, self.task, self.pad_id)
                 if query is not None:
-                    self.buffer.append(query)
+                    self.buffer.append([row, query])
                     self.produced += 1
         batch, self.buffer = self.buffer[:n], self.buffer[n:]
-        return right_padding_to_left_padding(torch.tensor(batch), self.pad_id)
+        queries = right_padding_to_left_padding(torch.tensor([query for _, query in batch]), self.pad_id)
+        return queries.to(device), self.texts.fields([row for row, _ in batch])
 
     def state(self) -> dict:
         return dict(epoch=self.epoch, used=self.used, produced=self.produced, buffer=self.buffer)
@@ -439,7 +454,10 @@ class QueryStream:
     def format(self, queries: torch.Tensor) -> torch.Tensor:
         """The policy's contexts prefix ⊕ query ⊕ suffix (OAI lm_tasks.py query_formatter): (B, prefix + query_length
         + suffix), left-padded again, which moves the query's pads (now between prefix and query) to the front. OAI's
-        reward model scores the bare query ⊕ response, and its label files hold bare queries."""
+        reward model scores the bare query ⊕ response, and its label files hold bare queries. With
+        --task.chat-template the query is the prompt in the template, prefix and suffix inside: both models read it."""
+        if self.task.chat_template:
+            return queries
         prefix, suffix = (
             queries.new_tensor(self.tokenizer.encode(text, add_special_tokens=False)).expand(len(queries), -1)
             for text in (self.task.query_prefix, self.task.query_suffix)
@@ -566,13 +584,17 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, with_entrop
 
 @torch.no_grad()
 def generate_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, response_length: int, temperature: float,
-                       chunk: int, samples_per_context: int = 1) -> torch.Tensor:  # fmt: skip
+                       chunk: int, samples_per_context: int = 1, stop=None) -> torch.Tensor:  # fmt: skip
     """Responses to the contexts (prefix ⊕ query ⊕ suffix), `chunk` rows at a time: (B, T), B = contexts x
-    samples_per_context."""
+    samples_per_context. With `stop` (--task.stop-when-ended), (B, T' <= T): as long as the longest response of the
+    batch, on any process, needs; every row has ended before the columns left out."""
     chunks = contexts.split(max(chunk // samples_per_context, 1))
-    return torch.cat(
-        [sample_responses(lm, c, pad_id, response_length, temperature, samples_per_context) for c in chunks]
-    )
+    responses = [
+        sample_responses(lm, c, pad_id, response_length, temperature, samples_per_context, stop) for c in chunks
+    ]
+    if stop is not None:  # one length for the whole batch: a chunk that ended sooner samples on to it (below main)
+        responses = sampled_to_one_length(lm, chunks, responses, pad_id, temperature, samples_per_context, stop)
+    return torch.cat(responses)
 
 
 @torch.no_grad()
@@ -594,14 +616,18 @@ def rollout_logprobs(policy: PolicyAndValueWrapper, ref_lm, query_responses, con
 
 @torch.no_grad()
 def score_responses(reward_model: RewardModel, queries, responses, truncate_token_id: int, task: TaskHParams,
-                    chunk: int):  # fmt: skip
+                    chunk: int, fields: dict):  # fmt: skip
     """Post-processed responses and their scores: the reward model reads the bare query ⊕ the truncated response, and
     a response never cut scores --task.penalty-reward-value instead (OAI train_policy.py make_score_fn): (B, T), (B,).
-    --task.no-rejection-sampling switches that detail off: every response is scored whole, none is penalized."""
+    --task.no-rejection-sampling switches that detail off: every response is scored whole, none is penalized.
+    `fields`: the dataset's fields of each query, which a --rewards.function may ask for (a reward model reads none)."""
     postprocessed, has_cut = truncate_responses(responses, truncate_token_id, task.truncate_after, reward_model.pad_id)
     if not task.rejection_sampling:
         postprocessed, has_cut = responses, torch.ones_like(has_cut)
-    scores = [reward_model(queries[i : i + chunk], postprocessed[i : i + chunk]) for i in range(0, len(queries), chunk)]
+    fields = fields if isinstance(reward_model, RewardFunction) else {}
+    scores = [reward_model(queries[i : i + chunk], postprocessed[i : i + chunk],
+                           **{name: values[i : i + chunk] for name, values in fields.items()})
+              for i in range(0, len(queries), chunk)]  # fmt: skip
     scores = torch.cat(scores).float()
     return postprocessed, torch.where(has_cut, scores, torch.full_like(scores, task.penalty_reward_value))
 
@@ -701,7 +727,8 @@ def main(args: Args) -> None:
     if args.dry_run:
         return run_utils.print_dry_run(args, DRY_RUN_SIZES)
     task, ppo, pad_id, chunk = args.task, args.ppo, tokenizer.pad_token_id, args.local_rollout_forward_batch_size
-    truncate_token_id = single_token_id(tokenizer, task.truncate_token, "--task.truncate-token")
+    truncate_token_id = rlhf_data.truncate_token_id(tokenizer, task)  # '.', '\n' (tldr), <|im_end|> (chat)
+    stop = (truncate_token_id, task.truncate_after) if task.stop_when_ended else None  # OAI: a fixed length
     scale = task.temperature if task.scale_logprobs else 1.0  # the log-probs' logits are divided by it
     accelerator = run_utils.make_accelerator(args, ppo.gradient_accumulation_steps)
     run = run_utils.Run(args, accelerator, "policy", RESUME_MAY_CHANGE, step_name="update")  # files, resume, signals
@@ -733,13 +760,14 @@ def main(args: Args) -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr
         kl_coef = kl_ctl.value  # the rewards of this update use the coefficient from before its KL update
-        queries = stream.next_batch(args.local_batch_size).to(device)  # (B, C): what the reward model reads
+        # (B, C): what the reward model reads; the dataset's fields of each query: for a --rewards.function
+        queries, fields = stream.next_batch(args.local_batch_size, device)
         contexts = stream.format(queries)  # (B, C'): prefix ⊕ query ⊕ suffix, what the policy reads (C' = C: books)
         with accelerator.autocast():  # a no-op unless --mixed-precision bf16
             # 1. rollout: sample responses, then the log-probs of the policy and of the reference policy and the
             # values, from one forward each over query ⊕ response
             responses = generate_responses(
-                unwrapped.lm, contexts, pad_id, task.response_length, task.temperature, chunk
+                unwrapped.lm, contexts, pad_id, task.response_length, task.temperature, chunk, stop=stop
             )
             timer("time/generation")
             query_responses = torch.cat([contexts, responses], 1)  # (B, C' + T)
@@ -750,7 +778,7 @@ def main(args: Args) -> None:
             # 2. post-process responses and score them: truncation after the truncate token, and the penalty score
             # for a response without one after truncate_after
             postprocessed_responses, scores = score_responses(
-                reward_model, queries, responses, truncate_token_id, task, chunk
+                reward_model, queries, responses, truncate_token_id, task, chunk, fields
             )
         timer("time/scoring")
         # 3. per-token KL rewards, the score added on the last token
@@ -883,9 +911,10 @@ def validate_args(args: Args) -> Args:
                        f"{share}: raise --ppo.batch-size or lower --ppo.whitening-ranks / --ppo.nminibatches")  # fmt: skip
     if not 0 <= args.task.truncate_after < args.task.response_length:
         run_utils.fail("--task.truncate-after must be >= 0 and < --task.response-length")
-    if args.task.gold_labeler is not None:
+    if args.task.gold_labeler in LABELER_PACKAGES:  # a module:callable is imported with the other inputs
         package = LABELER_PACKAGES[args.task.gold_labeler]
         run_utils.require_package(package, package, f"--task.gold-labeler {args.task.gold_labeler}")
+    run_utils.check_chat_task(args.task)
     args.num_updates = math.ceil(ppo.total_episodes / ppo.batch_size)
     return args
 
@@ -905,20 +934,21 @@ def read_inputs(args: Args):
         with run_utils.flag_errors("--base-model", args.base_model, "cannot load a tokenizer and model config"):
             tokenizer, config = load_tokenizer(args.base_model), config_without_dropout(args.base_model)
         run_utils.check_base_model(args, tokenizer, config)
-        single_token_id(tokenizer, task.truncate_token, "--task.truncate-token")
+        rlhf_data.truncate_token_id(tokenizer, task)
     else:
         vocabulary = "--rewards.trained-model's vocabulary, " if args.rewards.function is None else ""
         run_utils.NOT_CHECKED.append(f"what needs --base-model's tokenizer: --task.truncate-token, the lengths against "
                                      f"the models' positions, {vocabulary}that the query texts yield queries")  # fmt: skip
+    if run_utils.available(task.query_dataset, "--task.query-dataset", dry_run):
+        texts = rlhf_data.QueryTexts.of_task(task)
     if args.rewards.function is None:
         check_reward_model(args.rewards.trained_model, tokenizer, task)
     else:
-        probe = reward_callable(args.rewards.function)(["A probe query."], ["A probe response."])  # it imports, runs
-        function_scores(args.rewards.function, probe, 1, "cpu")  # and gives one number per pair
-    if run_utils.available(task.query_dataset, "--task.query-dataset", dry_run):
-        texts = rlhf_data.QueryTexts.of_task(task)
-        if tokenizer is not None:
-            check_queries(texts, tokenizer, args)
+        check_reward_function(args.rewards.function, "--rewards.function", texts)
+    if task.gold_labeler is not None:
+        check_reward_function(task.gold_labeler, "--task.gold-labeler", texts)
+    if texts is not None and tokenizer is not None:
+        check_queries(texts, tokenizer, args)
     return tokenizer, texts
 
 
@@ -931,7 +961,7 @@ def check_queries(texts, tokenizer, args: Args) -> None:
         if stream.epoch or stream.used >= len(texts):  # it read every text: the training stream would find none
             run_utils.fail(f"--eval-queries {args.eval_queries}: the held-out queries take all {len(texts)} texts of "
                            "--task.query-dataset, leaving none to train on; lower --eval-queries")  # fmt: skip
-        held_out = held_out_queries(texts, tokenizer, args.task, args.eval_queries)[2]
+        held_out = held_out_queries(texts, tokenizer, args.task, args.eval_queries)[3]
     QueryStream(texts, tokenizer, args.task, tokenizer.pad_token_id, args.seed, exclude=held_out).next_batch(1)
 
 
@@ -960,6 +990,9 @@ def check_reward_model(directory: str, tokenizer=None, task: Optional[TaskHParam
     if shapes != head:
         run_utils.fail(f"{flag} {directory!r}: reward_head.safetensors holds {shapes}, not a scalar head of the "
                        f"backbone's width {config.hidden_size} ({head})")  # fmt: skip
+    if task is not None and info.get("chat_template", False) != task.chat_template:
+        run_utils.fail(f"{flag} {directory!r} was trained on queries {'in' if info.get('chat_template') else 'without'} "
+                       f"a chat template: {'add' if info.get('chat_template') else 'leave out'} --task.chat-template")  # fmt: skip
     if tokenizer is not None and info.get("tokenizer_fingerprint") != run_utils.tokenizer_fingerprint(tokenizer):
         run_utils.fail(
             f"{flag} {directory!r} was trained with another tokenizer/vocabulary ({info.get('base_model')}) "
@@ -1000,36 +1033,83 @@ def load_reward_model(directory: str) -> RewardModel:
 
 class RewardFunction(nn.Module):
     """--rewards.function: a known reward in place of a trained reward model (the paper's direct RL against its mock
-    sentiment reward): scores of the decoded queries and responses, as a reward model's (B,) in float32."""
+    sentiment reward, or a check of each answer): scores of the decoded queries and responses, given also the
+    dataset's fields the function asks for (`answer=[...]`, a value per response), as a reward model's (B,) in
+    float32."""
 
     def __init__(self, spec: str, tokenizer):
         super().__init__()
         self.spec, self.tokenizer, self.pad_id = spec, tokenizer, tokenizer.pad_token_id
-        self.function = reward_callable(spec)
+        self.function = reward_callable(spec, "--rewards.function")
 
-    def forward(self, queries: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
-        scores = self.function(decode(self.tokenizer, queries), decode(self.tokenizer, responses))
-        return function_scores(self.spec, scores, len(responses), responses.device)
+    def forward(self, queries: torch.Tensor, responses: torch.Tensor, **fields) -> torch.Tensor:
+        texts = decode(self.tokenizer, queries), decode(self.tokenizer, responses)
+        scores = call_with_fields(self.function, *texts, fields)
+        return function_scores(f"--rewards.function {self.spec}", scores, len(responses), responses.device)
 
 
-def function_scores(spec: str, scores, n: int, device) -> torch.Tensor:
-    """What --rewards.function returned for n pairs as (n,) float32 scores on `device`, or one line naming the flag."""
+def function_scores(option: str, scores, n: int, device, dtype=torch.float32) -> torch.Tensor:
+    """What a reward function (`option`: its flag and value) returned for n pairs as (n,) scores on `device`, or one
+    line naming the flag."""
     try:
-        scores = torch.as_tensor(np.asarray(scores, dtype=np.float32), device=device)
+        scores = torch.as_tensor(np.asarray(scores, dtype=np.float64), device=device).to(dtype)
     except (TypeError, ValueError) as error:
-        run_utils.fail(f"--rewards.function {spec}: returned scores that are not numbers ({error})")
+        run_utils.fail(f"{option}: returned scores that are not numbers ({error})")
     if scores.shape != (n,):
-        run_utils.fail(f"--rewards.function {spec}: returned {tuple(scores.shape)} scores for {n} responses")
+        run_utils.fail(f"{option}: returned {tuple(scores.shape)} scores for {n} responses")
     return scores
 
 
-def reward_callable(spec: str):
-    """--rewards.function's callable: a simulated labeler's score of the responses, or `module:callable` imported."""
+def reward_callable(spec: str, flag: str):
+    """A reward function's callable (--rewards.function, --task.gold-labeler): a simulated labeler's score of the
+    responses, or `module:callable` imported."""
     if spec in LABELER_PACKAGES:
         package = LABELER_PACKAGES[spec]
-        run_utils.require_package(package, package, f"--rewards.function {spec}")
+        run_utils.require_package(package, package, f"{flag} {spec}")
         return lambda queries, responses: simulated_labeler_scores(spec, responses)
-    return run_utils.import_callable(spec, "--rewards.function")
+    return run_utils.import_callable(spec, flag)
+
+
+def function_fields(function, columns: list[str], option: str) -> tuple[str, ...]:
+    """The dataset columns a reward function takes, as TRL's reward functions take them: after (queries, responses),
+    each keyword parameter it names (one with a default only where the dataset has it), and every column when it takes
+    **kwargs. A function that cannot take two positional arguments: one line naming `option`."""
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: it gets the two lists
+        return ()
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        run_utils.fail(f"{option}: takes {len(positional)} positional argument(s); a reward function takes (queries, "
+                       "responses), two lists of str, and the dataset's columns it names as keywords")  # fmt: skip
+    named = [p for p in positional[2:] if p.kind is p.POSITIONAL_OR_KEYWORD] + [
+        p for p in parameters if p.kind is p.KEYWORD_ONLY
+    ]
+    required = [p.name for p in named if p.default is p.empty]
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return tuple(dict.fromkeys(required + list(columns)))
+    return tuple(required + [p.name for p in named if p.default is not p.empty and p.name in columns])
+
+
+def call_with_fields(function, queries: list[str], responses: list[str], fields: dict[str, list]):
+    """function(queries, responses, **the fields it takes of `fields`)."""
+    return function(queries, responses, **{name: fields[name] for name in function_fields(function, list(fields), "")})
+
+
+def check_reward_function(spec: str, flag: str, texts) -> None:
+    """A reward function (--rewards.function, --task.gold-labeler), checked before any model loads: it imports, the
+    query dataset has the columns it asks for (which the query stream then carries with each text), and it scores a
+    probe pair with the first text's fields as one number."""
+    function, option = reward_callable(spec, flag), f"{flag} {spec}"
+    names = function_fields(function, [] if texts is None else texts.columns, option)
+    if texts is None and names:  # a --dry-run of a Hub dataset: its columns are not known yet
+        run_utils.NOT_CHECKED.append(f"the dataset columns {option} asks for, and a probe of it")
+        return
+    if texts is not None:
+        texts.carry(names, option)
+    probe = {name: values for name, values in texts.fields([0]).items() if name in names} if names else {}
+    query = [texts[0] if texts is not None else "A probe query."]  # the first text, with its own fields
+    function_scores(option, call_with_fields(function, query, ["A probe response."], probe), 1, "cpu")
 
 
 def append_stats(stats: dict, new: dict) -> None:
@@ -1094,6 +1174,8 @@ def record_update(run, update: int, stats: dict, rollout: dict, timer, args: Arg
         "ppo/episode": episodes,
     }
     row["ppo/val/var_explained"] = 1 - row["ppo/val/error"] / max(row["ppo/returns/var"], WHITEN_EPSILON)
+    if args.task.stop_when_ended:  # the columns sampled: the batch's longest response (<= --task.response-length)
+        row["objective/sampled_length"] = rollout["responses"].shape[1]
     row.update(timing_stats(run, policy.lm, timer, rollout["contexts"], update, args))
     if update % args.print_sample_output_freq == 0 or update in (1, args.num_updates):
         table = {
@@ -1133,14 +1215,46 @@ def timing_stats(run, lm, timer, contexts, update: int, args: Args) -> dict:
     return stats
 
 
+def sampled_to_one_length(lm, chunks: tuple, responses: list, pad_id: int, temperature: float, samples_per_context: int,
+                          stop: tuple[int, int]) -> list:  # fmt: skip
+    """--task.stop-when-ended: the chunks' responses at one length, the columns the batch's last row to end needs on
+    any process (one all-reduce, so that every process trains on the same shapes as one process would): a chunk that
+    stopped sooner samples on from where it stopped (its contexts ⊕ responses so far as new contexts), one given whole
+    (benchmark/openai/replay.py) is cut after that column."""
+    length = max(ended_length(r, stop) for r in responses)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        longest = torch.tensor(length, device=chunks[0].device)
+        torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX)
+        length = int(longest)
+    equal = []
+    for contexts, r in zip(chunks, responses, strict=True):
+        if r.shape[1] < length:
+            contexts = torch.cat([contexts.repeat_interleave(samples_per_context, 0), r], 1)
+            r = torch.cat([r, sample_responses(lm, contexts, pad_id, length - r.shape[1], temperature)], 1)
+        equal.append(r[:, :length])
+    return equal
+
+
+def ended_length(responses: torch.Tensor, stop: tuple[int, int]) -> int:
+    """The columns (B, T) responses need: up to the last row's first truncate token at index >= truncate_after (as
+    truncate_responses cuts them); T when a row has none."""
+    index = torch.arange(responses.shape[1], device=responses.device)
+    is_end = (responses == stop[0]) & (index >= stop[1])  # (B, T)
+    if not len(responses):
+        return 0
+    if not is_end.any(1).all():
+        return responses.shape[1]
+    return int(is_end.int().argmax(1).max()) + 1
+
+
 def held_out_queries(texts, tokenizer, task: TaskHParams, n: int):
-    """The gold evaluation's n queries and contexts: the first of a fixed text order (seed EVAL_SEED); every text read
-    for them is kept out of training (the third value)."""
+    """The gold evaluation's n queries, their fields and contexts: the first of a fixed text order (seed EVAL_SEED);
+    every text read for them is kept out of training (the fourth value)."""
     stream = QueryStream(texts, tokenizer, task, tokenizer.pad_token_id, seed=EVAL_SEED, chunk=n)
-    queries = stream.next_batch(n)
+    queries, fields = stream.next_batch(n)
     order = texts.epoch(0, EVAL_SEED, 0, 1)  # the texts the stream took: the first `used`, or all past one epoch
     read = order if stream.epoch else itertools.islice(order, stream.used)
-    return queries, stream.format(queries), frozenset(read)
+    return queries, fields, stream.format(queries), frozenset(texts[index] for index in read)
 
 
 class GoldEvaluation:
@@ -1154,8 +1268,10 @@ class GoldEvaluation:
         self.args, self.tokenizer, self.scale, self.on = args, tokenizer, scale, args.task.gold_labeler is not None
         self.texts, self.initial, self.last = frozenset(), {}, {}
         if self.on:
-            self.queries, self.contexts, self.texts = held_out_queries(texts, tokenizer, args.task, args.eval_queries)
-            self.truncate_token_id = single_token_id(tokenizer, args.task.truncate_token, "--task.truncate-token")
+            self.queries, self.fields, self.contexts, self.texts = held_out_queries(texts, tokenizer, args.task,
+                                                                                    args.eval_queries)  # fmt: skip
+            self.truncate_token_id = rlhf_data.truncate_token_id(tokenizer, args.task)
+            self.labeler = reward_callable(args.task.gold_labeler, "--task.gold-labeler")
 
     def start(self, run, accelerator, models: tuple, state: Optional[dict]) -> None:
         """The models (policy, reference, reward model) to evaluate; update 0's evaluation, or the resumed run's."""
@@ -1186,19 +1302,24 @@ class GoldEvaluation:
         rows, samples = slice(accelerator.process_index, None, accelerator.num_processes), args.eval_samples_per_query
         queries, contexts = (x[rows].to(accelerator.device) for x in (self.queries, self.contexts))
         queries, pad_id = queries.repeat_interleave(samples, 0), tokenizer.pad_token_id
+        fields = {
+            name: [value for value in values[rows] for _ in range(samples)] for name, values in self.fields.items()
+        }
+        stop = (self.truncate_token_id, task.truncate_after) if task.stop_when_ended else None
         with accelerator.autocast():
             devices = [accelerator.device] if accelerator.device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(EVAL_SEED + accelerator.process_index)
                 responses = generate_responses(policy.lm, contexts, pad_id, task.response_length, task.temperature,
-                                               args.local_rollout_forward_batch_size, samples)  # fmt: skip
+                                               args.local_rollout_forward_batch_size, samples, stop)  # fmt: skip
             query_responses = torch.cat([contexts.repeat_interleave(samples, 0), responses], 1)
             logprobs, ref_logprobs, _ = rollout_logprobs(policy, ref_lm, query_responses, contexts.shape[1], pad_id,
                                                          self.scale, args.micro_batch_size)  # fmt: skip
             postprocessed, scores = score_responses(reward_model, queries, responses, self.truncate_token_id, task,
-                                                    args.local_rollout_forward_batch_size)  # fmt: skip
-        texts = decode(tokenizer, postprocessed)
-        gold = simulated_labeler_scores(task.gold_labeler, texts)
+                                                    args.local_rollout_forward_batch_size, fields)  # fmt: skip
+        texts, option = decode(tokenizer, postprocessed), f"--task.gold-labeler {task.gold_labeler}"
+        gold = call_with_fields(self.labeler, decode(tokenizer, queries), texts, fields)
+        gold = function_scores(option, gold, len(texts), "cpu", torch.float64).tolist()
         query_ids = torch.arange(len(self.queries))[rows].repeat_interleave(samples).tolist()
         kl = (logprobs - ref_logprobs).sum(1).tolist()
         columns = zip(query_ids, decode(tokenizer, queries), texts, gold, scores.tolist(), kl, strict=True)

@@ -87,11 +87,18 @@ class TaskHParams:
     response_length: int = 24
     """tokens sampled per response, never stopped early at EOS"""
     truncate_token: str = "."
-    """text of the token that ends a response after `truncate_after`; it must be one token of the tokenizer"""
+    """text of the token that ends a response after `truncate_after`; it must be one token of the tokenizer ('' with
+    --task.chat-template, whose end-of-turn token ends a response)"""
     truncate_after: int = 16
     """a response is cut after the first truncate token at response index >= this"""
     temperature: float = 0.7
     """sampling temperature"""
+    chat_template: bool = False
+    """each text whole, between --task.query-prefix and --task.query-suffix, as the user's turn in the base model's chat
+    template (--task.query-length counts it all: a longer prompt is skipped); the template's end-of-turn token ends a
+    response. Defaults then: no start, end or truncate text, --task.passage-rows 1 --task.truncate-after 0, stopping"""
+    stop_when_ended: bool = False
+    """stop sampling once every response of the batch has ended (truncate token at index >= truncate_after); OAI: never"""
 
 
 @dataclass
@@ -167,14 +174,6 @@ def load_tokenizer(name_or_path: str):
     return tokenizer
 
 
-def single_token_id(tokenizer, text: str, flag: str) -> int:
-    """The id of `text`, the value of `flag`, which must be one token ('.' is 13 in GPT-2, '\\n' 198)."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) != 1:
-        run_utils.fail(f"{flag} {text!r} is {len(ids)} tokens, not 1")
-    return ids[0]
-
-
 def config_without_dropout(name_or_path: str):
     """The model's config with every dropout probability set to 0."""
     # detail: dropout disabled — OAI trains without dropout (policy.py do_dropout=False); eval mode alone would leave
@@ -238,15 +237,17 @@ def vocabulary_logits(lm: nn.Module, hidden: torch.Tensor, pad_id: int) -> torch
 
 @torch.no_grad()
 def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, response_length: int, temperature: float,
-                     samples_per_context: int = 1):  # fmt: skip
+                     samples_per_context: int = 1, stop: Optional[tuple[int, int]] = None):  # fmt: skip
     """Sample `response_length` tokens after each left-padded context, one at a time with the KV cache, as OAI's
     language/sample.py sample_sequence: (B, T) responses, B = contexts x samples_per_context (each context's rows
-    together; its forward runs once and its keys and values are shared by its samples)."""
+    together; its forward runs once and its keys and values are shared by its samples). With `stop` (the truncate
+    token's id, truncate_after: --task.stop-when-ended), the sampling stops once every row has ended: (B, T' <= T)."""
     # detail: fixed-length responses — exactly response_length tokens drawn from softmax(logits / temperature): no
     # top-k, no top-p, never stopped at EOS (OAI language/sample.py sample_sequence)
     attention_mask = contexts != pad_id
     position_ids = attention_mask.cumsum(1) - attention_mask.long()  # as padded_forward: pads don't count
     input_ids, steps = torch.where(attention_mask, contexts, 0), []
+    ended = torch.zeros(len(contexts) * samples_per_context, dtype=torch.bool, device=contexts.device)  # (B,)
     kv_cache = DynamicCache()  # the keys and values of every position so far, filled in place by each forward
     for step in range(response_length):
         output = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -260,6 +261,10 @@ def sample_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, respons
         logits = vocabulary_logits(lm, hidden, pad_id) / temperature  # (B, V)
         token = draw_tokens(F.softmax(logits, dim=-1))  # (B, 1)
         steps.append(token)
+        if stop is not None:  # a row has ended at its truncate token at index >= truncate_after (truncate_responses)
+            ended |= (token[:, 0] == stop[0]) & (step >= stop[1])
+            if ended.all():
+                break
         input_ids, position_ids = token, position_ids[:, -1:] + 1
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
     return torch.cat(steps, 1)
@@ -314,7 +319,12 @@ def linear_lr(base_lr: float, step: int, num_steps: int) -> float:
 
 def query_from_text(tokenizer, text_tokens: list[int], task, pad_id: int) -> Optional[list[int]]:
     """A query of `task.query_length` token ids, right-padded, or None if the text yields none. The prefix and suffix
-    come later (`QueryStream.format`): the reward model and the label files see the bare query."""
+    come later (`QueryStream.format`): the reward model and the label files see the bare query. With
+    --task.chat-template the tokens are the whole prompt in the template, kept whole or, longer than query_length,
+    not at all (cut, it would lose the assistant's opened turn)."""
+    if task.chat_template:
+        fits = len(text_tokens) <= task.query_length
+        return text_tokens + [pad_id] * (task.query_length - len(text_tokens)) if fits else None
     # detail: queries that start and end with a period — OAI language/datasets.py: start after the first start_text
     # (a text whose first one is its last token is kept whole), keep query_length tokens, end after the last
     # end_text; texts without start or end text yield no query
@@ -343,36 +353,40 @@ def find(tokenizer, tokens: list[int], text: str) -> tuple[list[int], list[int]]
 
 
 class QueryStream:
-    """Endless batches of left-padded queries (B, query_length) from `texts` (an rlhf_data.QueryTexts): every epoch in
-    a seeded order that all processes share (process r reads every world_size-th text, so none repeats a text another
-    process uses in the same epoch), cleaned and tokenized lazily in chunks, the texts in `exclude` skipped (the
-    policy's held-out queries). `format` turns queries into the policy's contexts."""
+    """Endless batches of left-padded queries (B, query_length) from `texts` (an rlhf_data.QueryTexts), each with the
+    dataset's fields of its text that `texts` carries (for --rewards.function): every epoch in a seeded order that all
+    processes share (process r reads every world_size-th text, so none repeats a text another process uses in the same
+    epoch), cleaned and tokenized lazily in chunks, the texts in `exclude` skipped (the policy's held-out queries).
+    `format` turns queries into the policy's contexts."""
 
     def __init__(self, texts, tokenizer, task, pad_id, seed, rank=0, world_size=1, exclude=frozenset(), chunk=256):
         self.texts, self.tokenizer, self.task, self.pad_id, self.exclude = texts, tokenizer, task, pad_id, exclude
         self.seed, self.rank, self.world_size, self.chunk = seed, rank, world_size, chunk
-        self.epoch, self.used, self.produced, self.buffer = 0, 0, 0, []
-        self.source = texts.epoch(self.epoch, seed, rank, world_size)
+        self.epoch, self.used, self.produced, self.buffer = 0, 0, 0, []  # buffer: [text index, query] pairs
+        self.source = texts.epoch(self.epoch, seed, rank, world_size)  # the text indices, in this epoch's order
 
-    def next_batch(self, n: int) -> torch.Tensor:
+    def next_batch(self, n: int, device="cpu") -> tuple[torch.Tensor, dict[str, list]]:
+        """n queries (n, C) on `device`, and their texts' fields (texts.fields: name -> n values, or {})."""
         while len(self.buffer) < n:
-            texts = list(itertools.islice(self.source, self.chunk))
-            if not texts:  # the end of an epoch
+            rows = list(itertools.islice(self.source, self.chunk))
+            if not rows:  # the end of an epoch
                 if self.produced == 0:
                     run_utils.fail(f"--task.query-dataset {self.task.query_dataset!r}: no text yields a query")
                 self.epoch, self.used, self.produced = self.epoch + 1, 0, 0
                 self.source = self.texts.epoch(self.epoch, self.seed, self.rank, self.world_size)
                 continue
-            self.used += len(texts)
-            texts = [text for text in texts if text not in self.exclude]
-            cleaned = [rlhf_data.clean_query_text(text, self.task.name) for text in texts]
-            for tokens in self.tokenizer(cleaned, add_special_tokens=False)["input_ids"] if texts else []:
+            self.used += len(rows)
+            rows = [row for row in rows if self.texts[row] not in self.exclude]
+            cleaned = rlhf_data.query_texts([self.texts[row] for row in rows], self.task, self.tokenizer)
+            tokenized = self.tokenizer(cleaned, add_special_tokens=False)["input_ids"] if rows else []
+            for row, tokens in zip(rows, tokenized, strict=True):
                 query = query_from_text(self.tokenizer, tokens, self.task, self.pad_id)
                 if query is not None:
-                    self.buffer.append(query)
+                    self.buffer.append([row, query])
                     self.produced += 1
         batch, self.buffer = self.buffer[:n], self.buffer[n:]
-        return right_padding_to_left_padding(torch.tensor(batch), self.pad_id)
+        queries = right_padding_to_left_padding(torch.tensor([query for _, query in batch]), self.pad_id)
+        return queries.to(device), self.texts.fields([row for row, _ in batch])
 
     def state(self) -> dict:
         return dict(epoch=self.epoch, used=self.used, produced=self.produced, buffer=self.buffer)
@@ -384,7 +398,10 @@ class QueryStream:
     def format(self, queries: torch.Tensor) -> torch.Tensor:
         """The policy's contexts prefix ⊕ query ⊕ suffix (OAI lm_tasks.py query_formatter): (B, prefix + query_length
         + suffix), left-padded again, which moves the query's pads (now between prefix and query) to the front. OAI's
-        reward model scores the bare query ⊕ response, and its label files hold bare queries."""
+        reward model scores the bare query ⊕ response, and its label files hold bare queries. With
+        --task.chat-template the query is the prompt in the template, prefix and suffix inside: both models read it."""
+        if self.task.chat_template:
+            return queries
         prefix, suffix = (
             queries.new_tensor(self.tokenizer.encode(text, add_special_tokens=False)).expand(len(queries), -1)
             for text in (self.task.query_prefix, self.task.query_suffix)
@@ -440,9 +457,11 @@ def label_records(ref_lm, query_stream: QueryStream, tokenizer, truncate_token_i
     """n best-of-4 records in OAI's schema (query and samples padded with OPENAI_PAD_ID), without their pick yet: 4
     sampled responses per query, truncated as OAI's labelers saw them, and the simulated labeler's score of each."""
     pad_id, task = tokenizer.pad_token_id, args.task
-    queries = query_stream.next_batch(n).to(ref_lm.device)  # (n, C): bare, as in OAI's files
+    queries = query_stream.next_batch(n, ref_lm.device)[0]  # (n, C): bare, as in OAI's files
     contexts = query_stream.format(queries)
-    responses = sample_responses(ref_lm, contexts, pad_id, task.response_length, task.temperature, NUM_SAMPLES)
+    stop = (truncate_token_id, task.truncate_after) if task.stop_when_ended else None  # OAI: a fixed length
+    responses = sample_responses(ref_lm, contexts, pad_id, task.response_length, task.temperature, NUM_SAMPLES, stop)
+    responses = F.pad(responses, (0, task.response_length - responses.shape[1]), value=pad_id)  # a stop: pads after
     responses, _ = truncate_responses(responses, truncate_token_id, task.truncate_after, pad_id)  # (4n, T)
     scores = simulated_labeler_scores(args.labels.source, decode(tokenizer, responses))
     records = []
@@ -474,7 +493,7 @@ def sample_and_score(ref_lm, reward_model, query_stream: QueryStream, n: int, ar
     all_queries, all_responses, all_scores = [], [], []
     chunk = args.local_rollout_forward_batch_size
     for start in range(0, n, chunk):
-        queries = query_stream.next_batch(min(chunk, n - start)).to(ref_lm.device)  # (b, C)
+        queries = query_stream.next_batch(min(chunk, n - start), ref_lm.device)[0]  # (b, C)
         contexts, task = query_stream.format(queries), args.task
         responses = sample_responses(ref_lm, contexts, reward_model.pad_id, task.response_length, task.temperature)
         all_scores.append(reward_model(queries, responses))
@@ -551,7 +570,7 @@ def main(args: Args) -> None:
     if args.dry_run:
         return run_utils.print_dry_run(args, DRY_RUN_SIZES)
     task, pad_id = args.task, tokenizer.pad_token_id
-    truncate_token_id = single_token_id(tokenizer, task.truncate_token, "--task.truncate-token")
+    truncate_token_id = rlhf_data.truncate_token_id(tokenizer, task)  # '.', '\n' (tldr), <|im_end|> (chat)
     accelerator = run_utils.make_accelerator(args, args.gradient_accumulation_steps)
     run = run_utils.Run(args, accelerator, "reward_model", RESUME_MAY_CHANGE)  # output dir, logs, resume, signals
     if run.finished:
@@ -618,7 +637,7 @@ def main(args: Args) -> None:
         row.update(normalize_reward(accelerator, ref_lm, reward_model, query_stream, args, "after"))
     run.log({**row, "sync/param_spread": run_utils.parameter_spread(accelerator, reward_model)}, args.num_updates)
     # 6. save
-    run.save_result(lambda directory: save_reward_model(unwrapped, directory, tokenizer, args.base_model))
+    run.save_result(lambda directory: save_reward_model(unwrapped, directory, tokenizer, args.base_model, task))
     run.close()
 
 
@@ -695,6 +714,7 @@ def validate_args(args: Args) -> Args:
             run_utils.fail("--labels.simulated-num-test must hold at least one --batch-size of records")
         package = LABELER_PACKAGES[args.labels.source]
         run_utils.require_package(package, package, f"--labels.source {args.labels.source}")
+    run_utils.check_chat_task(args.task)
     return args
 
 
@@ -712,7 +732,7 @@ def read_inputs(args: Args):
         with run_utils.flag_errors("--base-model", args.base_model, "cannot load a tokenizer and model config"):
             tokenizer, config = load_tokenizer(args.base_model), config_without_dropout(args.base_model)
         run_utils.check_base_model(args, tokenizer, config)
-        single_token_id(tokenizer, task.truncate_token, "--task.truncate-token")
+        rlhf_data.truncate_token_id(tokenizer, task)
     else:
         run_utils.NOT_CHECKED.append("what needs --base-model's tokenizer: --task.truncate-token, the lengths against "
                                      "its positions, the label file's token ids, that the query texts yield queries")  # fmt: skip
@@ -871,9 +891,9 @@ def show_samples(run, step: int, row: dict, ref_lm, model, query_stream: QuerySt
     run.samples("samples.jsonl", step, columns)
 
 
-def save_reward_model(model: RewardModel, directory: Path, tokenizer, base_model: str) -> None:
+def save_reward_model(model: RewardModel, directory: Path, tokenizer, base_model: str, task: TaskHParams) -> None:
     """reward_model/: the backbone in Hugging Face format with its tokenizer, reward_head.safetensors (scalar head,
-    gain, bias) and reward_model.json. Its weights file also holds the whole head as `score.weight` = [gain·w,
+    gain, bias) and reward_model.json (with whether its queries were in the chat template). Its weights file also holds the whole head as `score.weight` = [gain·w,
     gain·b + bias], shape (1, d + 1), so that AutoModelForSequenceClassification, whose head has no bias and would
     otherwise load a random one, refuses it loudly (a size mismatch) instead of scoring with random weights."""
     head = {name: tensor.cpu() for name, tensor in model.state_dict().items() if not name.startswith("backbone.")}
@@ -882,9 +902,8 @@ def save_reward_model(model: RewardModel, directory: Path, tokenizer, base_model
     model.backbone.save_pretrained(directory, state_dict={**model.backbone.state_dict(), "score.weight": score})
     tokenizer.save_pretrained(directory)
     save_file({name: tensor.contiguous() for name, tensor in head.items()}, directory / "reward_head.safetensors")
-    info = dict(
-        base_model=base_model, pad_id=model.pad_id, tokenizer_fingerprint=run_utils.tokenizer_fingerprint(tokenizer)
-    )
+    info = dict(base_model=base_model, pad_id=model.pad_id, chat_template=task.chat_template,
+                tokenizer_fingerprint=run_utils.tokenizer_fingerprint(tokenizer))  # fmt: skip
     (directory / "reward_model.json").write_text(json.dumps(info, indent=2))
 
 

@@ -28,7 +28,13 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig
 import run_utils  # noqa: E402
 from quickstart_assets import prepare_gpt2_tokenizer  # noqa: E402
 from tests.loopback import sitecustomize as loopback  # noqa: E402
-from tests.tiny_task import synthetic_sentences, write_tiny_gpt2, write_tiny_tokenizer  # noqa: E402
+from tests.tiny_task import (  # noqa: E402
+    chat_conversations,
+    synthetic_sentences,
+    write_tiny_chat_tokenizer,
+    write_tiny_gpt2,
+    write_tiny_tokenizer,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 """The repository root."""
@@ -207,6 +213,20 @@ def tiny_assets(tiny_tokenizer_dir, tmp_path_factory) -> dict[str, Path]:
         labels=labels,
         small_labels=root / "labels-128.json",
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_assets(tiny_tokenizer_dir, tmp_path_factory) -> dict[str, Path]:
+    """A tiny chat model (the tiny task's tokenizer with tests/tiny_task.py's chat template and end-of-turn token,
+    trained on conversations in it: it answers in a few words and ends its turn) and a query dataset with fields:
+    JSON lines {"text": a question, "prompt": the same text (what a reward function checks its query against),
+    "word": the question's second word}."""
+    root = tmp_path_factory.mktemp("tiny-chat")
+    tokenizer_dir = write_tiny_chat_tokenizer(tiny_tokenizer_dir, root / "tokenizer")
+    model = tiny_gpt2_from_cache(root / "model", tokenizer_dir, chat_conversations(600, seed=2), steps=300, lr=3e-3)
+    rows = [{"text": line, "prompt": line, "word": line.split()[1]} for line in synthetic_sentences(200, seed=3)]
+    (root / "questions.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return dict(model=model, questions=root / "questions.jsonl")
 
 
 def script_command(script: str, flags, nproc: int = 1) -> list[str]:

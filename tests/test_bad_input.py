@@ -593,3 +593,48 @@ def test_more_held_out_queries_than_the_corpus_yields_names_eval_queries_before_
              "--output-dir", str(tmp_path / "out"), "--dry-run"]  # fmt: skip
     last = check_one_line_error(run_in_process(POLICY, *flags), "--eval-queries 64", "20 texts")
     assert "lower --eval-queries" in last
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# chat templates and the dataset's fields (tests/test_chat.py has their pieces by hand)
+
+
+def chat_cases(assets: dict, tiny: dict) -> dict:
+    """(script, flags, words of the one-line error) for each bad chat or fields input."""
+    chat = ["--base-model", str(tiny["model"]), "--task.chat-template", "--task.query-dataset", str(tiny["questions"]),
+            "--task.query-length", "40", "--task.response-length", "16", "--dry-run"]  # fmt: skip
+    policy = [*chat, "--rewards.function", "tests.chat_rewards:word_count"]
+    plain = ["--base-model", str(assets["model"]), "--task.query-dataset", str(assets["corpus"]), "--dry-run"]
+    return {
+        "a base model without a chat template": (POLICY, [*plain, "--task.chat-template", "--rewards.function",
+                                                          "sentiment"], ["--task.chat-template", "no chat template"]),
+        "a base model without a chat template (reward)": (REWARD, [*plain, "--task.chat-template", "--labels.source",
+                                                                   "sentiment"], ["no chat template"]),
+        "a start text with the chat template": (POLICY, [*policy, "--task.start-text", "."],
+                                                ["--task.start-text '.' with --task.chat-template", "whole"]),
+        "a truncate token with the chat template (reward)": (REWARD, [*chat, "--labels.source", "sentiment",
+                                                                      "--task.truncate-token", "."],
+                                                             ["--task.truncate-token '.'", "end-of-turn token"]),
+        "every prompt longer than the query length": (POLICY, [*policy, "--task.query-length", "8"],
+                                                      ["no text yields a query"]),
+        "a column the reward function needs and a text file lacks": (
+            POLICY, [*plain, "--rewards.function", "tests.chat_rewards:word_count"],
+            ["--rewards.function tests.chat_rewards:word_count asks for the columns 'prompt', 'word'", "lacks"]),
+        "a column the gold labeler needs and a text file lacks": (
+            POLICY, [*plain, "--rewards.function", "sentiment", "--task.gold-labeler", "tests.chat_rewards:word_count",
+                     "--task.passage-rows", "1"], ["--task.gold-labeler tests.chat_rewards:word_count asks for"]),
+        "a reward function of one argument": (POLICY, [*policy[:-1], "tests.chat_rewards:responses_only"],
+                                              ["tests.chat_rewards:responses_only: takes 1 positional argument(s)"]),
+        "a gold labeler that is no module:callable": (POLICY, [*policy, "--task.gold-labeler", "nonsense"],
+                                                      ["--task.gold-labeler 'nonsense': expected module:callable"]),
+    }  # fmt: skip
+
+
+CHAT_CASES = list(chat_cases({"model": "", "corpus": ""}, {"model": "", "questions": ""}))
+
+
+@pytest.mark.parametrize("case", CHAT_CASES)
+def test_bad_chat_and_field_inputs_are_one_line_before_any_model_loads(tiny_assets, tiny_chat_assets, tmp_path, case):
+    script, flags, words = chat_cases(tiny_assets, tiny_chat_assets)[case]
+    check_one_line_error(run_in_process(script, *flags, "--output-dir", str(tmp_path / "out")), *words)
+    assert not (tmp_path / "out").exists()

@@ -597,7 +597,8 @@ def test_replay_fails_when_a_given_draw_is_not_used():
 
     queries, responses = np.full((4, 3), 7), np.full((4, 2), 8)
     replay = Replay([(queries, responses), (queries, responses)], 50257, SITES)
-    contexts = replay.queries(4)
+    contexts, rows = replay.queries(4)
+    assert rows is None  # no `rows` given: the batch's fields are not replayed
     given = replay.responses(contexts[:3], 2, 0.7, 1)  # sampled in chunks
     assert torch.equal(given, torch.from_numpy(responses[:3]))
     assert torch.equal(replay.responses(contexts[3:], 2, 0.7, 1), torch.from_numpy(responses[3:]))

@@ -41,7 +41,7 @@ def reward_model_dir(gpt2_tokenizer_dir, tmp_path_factory):
         model.reward_bias.fill_(-0.4)
     directory = tmp_path_factory.mktemp("rm") / "reward_model"
     directory.mkdir()
-    R.save_reward_model(model, directory, tokenizer, str(base))
+    R.save_reward_model(model, directory, tokenizer, str(base), R.TaskHParams())
     return directory, model.eval(), tokenizer
 
 

@@ -74,7 +74,7 @@ def test_score_responses_scores_postprocessed_text_and_penalizes_uncut():
     responses = torch.tensor([response_with_dots(18), response_with_dots(10)])
     queries = torch.tensor([[PAD, 15496, 995], [15496, 995, 11]])
     reward_model = ConstantReward()
-    postprocessed, scores = P.score_responses(reward_model, queries, responses, DOT, args.task, 64)
+    postprocessed, scores = P.score_responses(reward_model, queries, responses, DOT, args.task, 64, {})
     assert scores.tolist() == [0.5, -1.0]
     assert torch.equal(reward_model.seen, torch.cat([queries, postprocessed], 1))
     assert postprocessed[0, 19:].tolist() == [PAD] * 5
@@ -86,7 +86,7 @@ def test_no_rejection_sampling_scores_every_response_whole_and_never_penalizes()
     responses = torch.tensor([response_with_dots(18), response_with_dots(10)])  # the first would be cut, the second
     queries = torch.tensor([[PAD, 15496, 995], [15496, 995, 11]])  # penalized, with rejection sampling
     reward_model = ConstantReward()
-    postprocessed, scores = P.score_responses(reward_model, queries, responses, DOT, args.task, 64)
+    postprocessed, scores = P.score_responses(reward_model, queries, responses, DOT, args.task, 64, {})
     assert scores.tolist() == [0.5, 0.5]
     assert torch.equal(postprocessed, responses) and torch.equal(reward_model.seen, torch.cat([queries, responses], 1))
 
@@ -111,7 +111,7 @@ def test_reward_function_scores_the_decoded_texts_with_the_same_truncation_and_p
     args.task = P.TaskHParams(response_length=24, truncate_after=16, penalty_reward_value=-1.0)
     responses = torch.tensor([response_with_dots(18), response_with_dots(10)])  # cut after 18; never cut
     queries = torch.tensor([[PAD, 15496, 995], [15496, 995, 11]])  # "Hello world", "Hello world,"
-    postprocessed, scores = P.score_responses(function, queries, responses, DOT, args.task, 64)
+    postprocessed, scores = P.score_responses(function, queries, responses, DOT, args.task, 64, {})
     seen_queries, seen_responses = __import__("user_rewards").SEEN[0]
     assert seen_queries == ["Hello world", "Hello world,"]
     assert seen_responses == tokenizer.batch_decode(postprocessed, skip_special_tokens=True)
@@ -711,13 +711,13 @@ def test_held_out_queries_keep_every_text_read_for_them_out_of_training(gpt2_tok
     (tmp_path / "queries.txt").write_text("\n".join(lines) + "\n")
     texts = rlhf_data.QueryTexts(str(tmp_path / "queries.txt"), None, "text")
     task = P.TaskHParams(query_length=8, end_text=".", query_prefix="", query_suffix="")
-    queries, contexts, held_out = P.held_out_queries(texts, tokenizer, task, 8)
+    queries, _, contexts, held_out = P.held_out_queries(texts, tokenizer, task, 8)
     assert contexts.shape == queries.shape == (8, 8)
     assert set(P.decode(tokenizer, queries)) < held_out <= set(lines)  # the queries' texts, and more texts read
     assert any("no period" in text for text in held_out) and len(held_out) % 8 == 0  # whole chunks of 8 texts
     training = P.QueryStream(texts, tokenizer, task, tokenizer.pad_token_id, seed=1, exclude=held_out)
     usable = {line for line in lines if line.endswith(".")} - held_out
-    seen = set(P.decode(tokenizer, training.next_batch(3 * len(usable))))  # three epochs of the training stream
+    seen = set(P.decode(tokenizer, training.next_batch(3 * len(usable))[0]))  # three epochs of the training stream
     assert seen == usable
 
 

@@ -14,6 +14,7 @@ Tolerance: the same sums in another order (a mean over 32 rows on 1 process, a m
 or ZeRO's all-reduce), float32 rounding that Adam's normalized steps carry on: measured (docs/side-by-side.md) at most
 METRICS_RTOL / 10 of a metric's largest value over the run, WEIGHTS_RTOL / 10 of a weight's change."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -203,4 +204,80 @@ def test_ppo_on_two_processes_is_ppo_on_one(policy_runs, assets, how):
     initial = load_weights(assets / "warm_policy_ranks_2")
     weights = weight_differences(run / "policy", reference / "policy", initial)
     print(f"PPO, {how}: largest weight difference {weights[0][0]:.1e} ({weights[0][1]})")
+    assert weights[0][0] <= WEIGHTS_RTOL, weights[:3]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# a chat task whose reward function reads the dataset's fields
+
+CHAT_UPDATES, CHAT_ROWS, CHAT_LENGTH = 3, 32, 16
+
+
+@pytest.fixture(scope="module")
+def chat_replay(tiny_chat_assets, tmp_path_factory) -> Path:
+    """Draws for CHAT_UPDATES updates of the tiny chat task: CHAT_ROWS templated questions an update, each with its
+    dataset row (whose `prompt` and `word` fields the reward function reads), and full-length responses of the tiny
+    chat model, sampled here once (seed 7): given to both launches, which cut them where the batch's last response
+    ends (--task.stop-when-ended), on 2 processes after agreeing on that column."""
+    from transformers import AutoModelForCausalLM
+
+    import rlhf_data
+    import run_utils
+    import train_policy_accelerate as P
+
+    tokenizer = P.load_tokenizer(str(tiny_chat_assets["model"]))
+    task = run_utils.task_cli(P.task_defaults, [*chat_flags(tiny_chat_assets)[:-6]]).task
+    texts = rlhf_data.QueryTexts(str(tiny_chat_assets["questions"]), None, "text")
+    rows = list(texts.epoch(0, seed=11, rank=0, world_size=1))
+    prompts = tokenizer(rlhf_data.query_texts([texts[row] for row in rows], task, tokenizer), add_special_tokens=False)
+    queries = [P.query_from_text(tokenizer, tokens, task, S.OPENAI_PAD_ID) for tokens in prompts["input_ids"]]
+    rows, queries = zip(
+        *[(row, query) for row, query in zip(rows, queries, strict=True) if query is not None], strict=True
+    )
+    rows, queries = rows[: CHAT_UPDATES * CHAT_ROWS], queries[: CHAT_UPDATES * CHAT_ROWS]  # questions that fit
+    lm = P.load_pretrained(AutoModelForCausalLM, str(tiny_chat_assets["model"])).eval()
+    contexts = P.right_padding_to_left_padding(torch.tensor(queries), S.OPENAI_PAD_ID)
+    contexts = torch.where(contexts == S.OPENAI_PAD_ID, tokenizer.pad_token_id, contexts)
+    torch.manual_seed(7)
+    responses = P.sample_responses(lm, contexts, tokenizer.pad_token_id, CHAT_LENGTH, task.temperature)
+    shape = (CHAT_UPDATES, CHAT_ROWS)
+    call_sites = {"rows": CHAT_ROWS // 2, "ranks": 2, "response_length": CHAT_LENGTH, "samples_per_query": 1,
+                  "temperature": task.temperature}  # fmt: skip
+    path = tmp_path_factory.mktemp("chat-replay") / "replay.npz"
+    np.savez(path, queries=np.array(queries).reshape(*shape, -1), responses=responses.numpy().reshape(*shape, -1),
+             rows=np.array(rows).reshape(shape), call_sites=np.array(json.dumps(call_sites)))  # fmt: skip
+    return path
+
+
+def chat_flags(assets, *extra) -> list[str]:
+    return ["--base-model", str(assets["model"]), "--task.chat-template", "--task.query-dataset",
+            str(assets["questions"]), "--task.query-length", "40", "--task.response-length", str(CHAT_LENGTH),
+            "--rewards.function", "tests.chat_rewards:word_count", "--ppo.whitening-ranks", "2", "--ppo.batch-size",
+            str(CHAT_ROWS), "--ppo.total-episodes", str(CHAT_UPDATES * CHAT_ROWS), "--ppo.lr", "1e-3",
+            "--local-rollout-forward-batch-size", "4", *extra]  # fmt: skip
+
+
+def test_a_chat_task_with_fields_on_two_processes_is_the_task_on_one(tiny_chat_assets, chat_replay, tmp_path):
+    """The tiny chat task, its reward reading each query's `prompt` and `word` fields, the rollout cut where its last
+    response ends: 2 processes (16 rows each, in chunks of 4, which agree on that column: each process's own responses
+    end sooner or later) compute what 1 process computes, every metric of every update and the trained weights, and
+    every field reaches the reward function beside its own query (tests/chat_rewards.py)."""
+    log = tmp_path / "alignment.log"
+    runs = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"chat {nproc}"
+        result = run_script("benchmark.openai.replay", "train_policy_accelerate.py", str(chat_replay),
+                            *chat_flags(tiny_chat_assets, "--output-dir", str(out), "--checkpoint-every",
+                                        str(CHAT_UPDATES)), nproc=nproc, env={"CHAT_ALIGNMENT_LOG": str(log)})  # fmt: skip
+        assert result.returncode == 0, failure(result)
+        runs[nproc] = out
+    assert not log.exists(), log.read_text()
+    lengths = [row["objective/sampled_length"] for row in read_jsonl(runs[1] / "metrics.jsonl")]
+    assert all(length <= CHAT_LENGTH for length in lengths) and min(lengths) < CHAT_LENGTH  # the cut happened
+    metrics = metric_differences(runs[2], runs[1])
+    print(f"chat PPO, 2 processes: largest metric difference {metrics[0][0]:.1e} ({metrics[0][1]})")
+    assert metrics[0][0] <= METRICS_RTOL, metrics[:3]
+    initial = {**load_weights(tiny_chat_assets["model"]), "weight": torch.zeros(1, 64), "bias": torch.zeros(1)}
+    weights = weight_differences(runs[2] / "policy", runs[1] / "policy", initial)  # the value head starts at 0
+    print(f"chat PPO, 2 processes: largest weight difference {weights[0][0]:.1e} ({weights[0][1]})")
     assert weights[0][0] <= WEIGHTS_RTOL, weights[:3]

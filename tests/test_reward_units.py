@@ -158,7 +158,7 @@ def test_saved_reward_model_loads_in_the_policy_script_and_scores_identically(gp
         model.reward_gain.fill_(2.5)
         model.reward_bias.fill_(-0.75)
     (tmp_path / "rm").mkdir()
-    R.save_reward_model(model, tmp_path / "rm", tokenizer, "tiny-gpt2")
+    R.save_reward_model(model, tmp_path / "rm", tokenizer, "tiny-gpt2", R.TaskHParams())
     torch.manual_seed(123)  # a different head init: only loading the saved head can give equal scores
     P.check_reward_model(str(tmp_path / "rm"), tokenizer)
     loaded = P.load_reward_model(str(tmp_path / "rm")).eval()
@@ -408,10 +408,10 @@ class CyclingQueries:
     def __init__(self, queries: torch.Tensor):
         self.queries, self.position = queries, 0
 
-    def next_batch(self, n: int) -> torch.Tensor:
+    def next_batch(self, n: int) -> tuple[torch.Tensor, dict]:
         index = (self.position + torch.arange(n)) % len(self.queries)
         self.position += n
-        return self.queries[index]
+        return self.queries[index], {}
 
     def format(self, queries: torch.Tensor) -> torch.Tensor:
         return queries  # no prefix or suffix
@@ -653,7 +653,7 @@ def test_query_stream_prefix_suffix_and_middle_pads_go_left(tokenizer, tmp_path)
     task = R.TaskHParams(query_length=4, query_prefix="Hello", query_suffix=" world", start_text="", end_text="")
     assert R.query_from_text(tokenizer, [23073, 11], task, PAD) == [23073, 11, PAD, PAD]  # bare, right-padded
     stream = R.QueryStream(query_texts(tmp_path, ["", "usually,", ""]), tokenizer, task, PAD, seed=0)  # [23073, 11]
-    queries = stream.next_batch(3)  # empty texts skipped; the one real text repeats over epochs
+    queries = stream.next_batch(3)[0]  # empty texts skipped; the one real text repeats over epochs
     assert queries.tolist() == [[PAD, PAD, 23073, 11]] * 3  # what the reward model reads
     # the policy's context: "Hello" ⊕ [23073, 11, PAD, PAD] ⊕ " world" (pads in the middle) -> pads to the left
     assert stream.format(queries).tolist() == [[PAD, PAD, 15496, 23073, 11, 995]] * 3
@@ -673,10 +673,10 @@ def test_query_stream_ranks_are_disjoint_within_an_epoch(tokenizer, tmp_path):
     task = R.TaskHParams(query_length=8, start_text="", end_text="")
     source = query_texts(tmp_path, texts)
     streams = [R.QueryStream(source, tokenizer, task, PAD, seed=3, rank=r, world_size=2, chunk=4) for r in (0, 1)]
-    epochs = [set(R.decode(tokenizer, s.next_batch(10))) for s in streams]
+    epochs = [set(R.decode(tokenizer, s.next_batch(10)[0])) for s in streams]
     assert len(epochs[0]) == len(epochs[1]) == 10
     assert epochs[0].isdisjoint(epochs[1]) and epochs[0] | epochs[1] == set(texts)
-    second = [set(R.decode(tokenizer, s.next_batch(10))) for s in streams]  # a new order, shared by both ranks
+    second = [set(R.decode(tokenizer, s.next_batch(10)[0])) for s in streams]  # a new order, shared by both ranks
     assert second[0].isdisjoint(second[1]) and second[0] | second[1] == set(texts)
     assert second[0] != epochs[0]
 

@@ -111,7 +111,7 @@ def reward_model(tiny_assets, tmp_path_factory) -> Path:
     torch.manual_seed(0)
     backbone = train_reward_accelerate.load_pretrained(AutoModel, base)
     model = train_reward_accelerate.RewardModel(backbone, tokenizer.pad_token_id)
-    train_reward_accelerate.save_reward_model(model, directory, tokenizer, base)
+    train_reward_accelerate.save_reward_model(model, directory, tokenizer, base, train_reward_accelerate.TaskHParams())
     return directory
 
 

@@ -284,7 +284,7 @@ def test_contexts_put_prefix_and_suffix_around_the_bare_query_and_move_middle_pa
     task = dataclasses.replace(R.task_defaults("cnndm").task, query_length=8)  # "Article:\n\n", "\n\nTL;DR:"
     texts = ["One two three four five six seven eight nine ten.", "Short one.", "Three words here"]
     stream = R.QueryStream(query_texts(tmp_path, texts), tokenizer, task, PAD, seed=0, chunk=3)
-    queries = stream.next_batch(3)  # (3, 8)
+    queries = stream.next_batch(3)[0]  # (3, 8)
     contexts = stream.format(queries)
     prefix, suffix = tokenizer.encode("Article:\n\n"), tokenizer.encode("\n\nTL;DR:")
     assert (len(prefix), len(suffix), contexts.shape) == (3, 6, (3, 3 + 8 + 6))
@@ -302,7 +302,7 @@ def test_contexts_put_prefix_and_suffix_around_the_bare_query_and_move_middle_pa
 def test_books_contexts_equal_the_queries(tokenizer, tmp_path):
     task = R.TaskHParams(query_length=6, start_text="", end_text="")  # the books tasks' empty prefix and suffix
     stream = R.QueryStream(query_texts(tmp_path, ["Hello world.", "usually, he would"]), tokenizer, task, PAD, seed=0)
-    queries = stream.next_batch(2)
+    queries = stream.next_batch(2)[0]
     assert torch.equal(stream.format(queries), queries)
 
 
@@ -342,7 +342,7 @@ def summarization_stream(tokenizer, query_length: int, tmp_path) -> R.QueryStrea
 
 def test_policy_rollout_samples_from_the_contexts_and_scores_the_bare_queries(tokenizer, tmp_path):
     stream = summarization_stream(tokenizer, query_length=6, tmp_path=tmp_path)
-    queries = stream.next_batch(3)
+    queries = stream.next_batch(3)[0]
     queries[1, :2] = PAD  # a shorter query
     contexts = stream.format(queries)  # (3, 3 + 6 + 6)
     args = P.Args(local_rollout_forward_batch_size=2)  # 2 chunks
@@ -354,7 +354,7 @@ def test_policy_rollout_samples_from_the_contexts_and_scores_the_bare_queries(to
     logprobs, ref_logprobs, _ = P.rollout_logprobs(
         policy, ref_lm, torch.cat([contexts, responses], 1), contexts.shape[1], PAD, 0.7, 2
     )
-    postprocessed, _ = P.score_responses(reward, queries, responses, NEWLINE, args.task, 2)
+    postprocessed, _ = P.score_responses(reward, queries, responses, NEWLINE, args.task, 2, {})
     seen = torch.cat(reward.seen)  # 2 chunks
     assert len(reward.seen) == 2 and torch.equal(seen, torch.cat([queries, postprocessed], 1))
     query_responses = torch.cat([contexts, responses], 1)  # what both policies read
@@ -371,7 +371,7 @@ def test_reward_script_samples_from_the_contexts_and_scores_the_bare_queries(tok
     stream = summarization_stream(tokenizer, query_length=6, tmp_path=tmp_path)
     generated = []
 
-    def fake_sample(lm, contexts, pad_id, response_length, temperature, samples_per_context=1):
+    def fake_sample(lm, contexts, pad_id, response_length, temperature, samples_per_context=1, stop=None):
         generated.append(contexts)
         return torch.full((len(contexts) * samples_per_context, response_length), NEWLINE)
 

@@ -166,7 +166,7 @@ def test_the_measured_task_has_left_padded_queries_and_padded_labels_as_books(gp
     policy_args = run_utils.task_cli(P.task_defaults, flags)
     tokenizer, pad = P.load_tokenizer(str(model_dir)), 50257
     texts = rlhf_data.QueryTexts.of_task(policy_args.task)
-    queries = P.QueryStream(texts, tokenizer, policy_args.task, pad, policy_args.seed).next_batch(64)
+    queries = P.QueryStream(texts, tokenizer, policy_args.task, pad, policy_args.seed).next_batch(64)[0]
     pads = (queries == pad).sum(1)
     assert queries.shape == (64, 64) and (pads > 0).float().mean() > 0.5 and len(set(pads.tolist())) >= 4
     assert (queries[:, -1] == tokenizer.encode(".")[0]).all()  # left-padded: each ends at its last period

@@ -83,6 +83,33 @@ def write_tiny_tokenizer(gpt2_tokenizer_dir: Path, directory: Path) -> Path:
     return directory
 
 
+CHAT_END = "<|end|>"
+"""The tiny chat template's end-of-turn token: a special token of its own, not EOS (as Llama 3's <|eot_id|>)."""
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ 'Q:' if message['role'] == 'user' else 'A:' }} {{ message['content'] }}<|end|>"
+    "{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+)
+"""A tiny chat template: `Q: question<|end|>A:` opens the assistant's turn, which ends with <|end|>."""
+
+
+def write_tiny_chat_tokenizer(tiny_tokenizer_dir: Path, directory: Path) -> Path:
+    """The tiny task's tokenizer with a chat template (CHAT_TEMPLATE) and its end-of-turn token added (id 404)."""
+    from transformers import AddedToken
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    tokenizer.add_tokens([AddedToken(CHAT_END, special=True)])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(directory)
+    return Path(directory)
+
+
+def chat_conversations(n: int, seed: int) -> list[str]:
+    """n conversations in CHAT_TEMPLATE, a line of the tiny task as the question and its first sentence as the
+    answer: a tiny model trained on them answers in a few words and ends its turn."""
+    lines = synthetic_sentences(n, seed)
+    return [f"Q: {line}{CHAT_END}A: {line.split('.')[0]}.{CHAT_END}" for line in lines]
+
+
 def write_tiny_gpt2(
     directory: Path,
     tokenizer_dir: Path,

@@ -325,8 +325,8 @@ MUTATIONS = [
         "                unwrapped.lm, queries, pad_id, task.response_length, task.temperature, chunk"),),
       "responses sampled after the bare queries, without the prefix and suffix"),
     M("rollout_rows_global", "replaced calls", (POLICY,),
-      (("        queries = stream.next_batch(args.local_batch_size).to(device)",
-        "        queries = stream.next_batch(ppo.batch_size).to(device)"),),
+      (("        queries, fields = stream.next_batch(args.local_batch_size, device)",
+        "        queries, fields = stream.next_batch(ppo.batch_size, device)"),),
       "each process asks for the global batch's rows"),
     M("stream_rank_0", "replaced calls", (POLICY,),
       (("        texts, tokenizer, task, pad_id, args.seed, accelerator.process_index, accelerator.num_processes, gold.texts",
@@ -353,6 +353,50 @@ MUTATIONS = [
       (("            for share_rows in minibatches(args.local_batch_size, args.local_whitening_ranks, ppo.nminibatches, device):",
         "            for share_rows in minibatches(args.local_batch_size, 1, ppo.nminibatches, device):"),),
       "the epochs shuffle a process's rows as one share, whatever --ppo.whitening-ranks"),
+    # chat templates, the dataset's fields in rewards, sampling that stops (docs/chat.md): off in OpenAI's tasks, so
+    # the comparison with OpenAI's code cannot see them; tests/test_chat.py and the chat task of test_processes.py can
+    M("chat_end_of_turn_is_eos", "chat template", ("rlhf_data.py",),
+      (('        flag, text = "--task.chat-template: the template\'s end of turn", end_of_turn_text(tokenizer)',
+        '        flag, text = "--task.chat-template: the template\'s end of turn", tokenizer.eos_token'),),
+      "a chat response ends at EOS, not at the template's end-of-turn token (Llama 3's <|eot_id|>, the tiny "
+      "template's <|end|>)"),
+    M("chat_prompt_cut_to_fit", "chat template", BOTH,
+      (("        return text_tokens + [pad_id] * (task.query_length - len(text_tokens)) if fits else None",
+        "        return (text_tokens + [pad_id] * (task.query_length - len(text_tokens)))[: task.query_length]"),),
+      "a templated prompt longer than --task.query-length cut to fit (losing the assistant's opened turn), not skipped"),
+    M("fields_shuffled_apart", "the dataset's fields", BOTH,
+      (("        return queries.to(device), self.texts.fields([row for row, _ in batch])",
+        "        return queries.to(device), self.texts.fields(sorted(row for row, _ in batch))"),),
+      "a batch's fields in the dataset's order, not its queries' (shuffled) order"),
+    M("fields_lost_in_the_checkpoint", "the dataset's fields", BOTH,
+      (("        return dict(epoch=self.epoch, used=self.used, produced=self.produced, buffer=self.buffer)",
+        "        return dict(epoch=self.epoch, used=self.used, produced=self.produced, "
+        "buffer=[[0, query] for _, query in self.buffer])"),),
+      "the checkpoint keeps the buffered queries but not their rows: after --resume their fields are another text's"),
+    M("fields_of_the_first_chunk", "the dataset's fields", (POLICY,),
+      (("                           **{name: values[i : i + chunk] for name, values in fields.items()})",
+        "                           **{name: values[:chunk] for name, values in fields.items()})"),),
+      "every scoring chunk handed the first chunk's fields"),
+    M("gold_fields_of_process_0", "the dataset's fields", (POLICY,),
+      (("            name: [value for value in values[rows] for _ in range(samples)] for name, values in self.fields.items()",
+        "            name: [value for value in values[: len(queries) // samples] for _ in range(samples)]\n"
+        "            for name, values in self.fields.items()"),),
+      "the gold evaluation hands every process the fields of process 0's held-out queries"),
+    M("sampling_stops_before_truncate_after", "sampling that stops", BOTH,
+      (("            ended |= (token[:, 0] == stop[0]) & (step >= stop[1])",
+        "            ended |= token[:, 0] == stop[0]"),),
+      "a row counts as ended at a truncate token before --task.truncate-after"),
+    M("sampling_stops_at_the_first_end", "sampling that stops", BOTH,
+      (("            if ended.all():\n                break", "            if ended.any():\n                break"),),
+      "sampling stops once any row has ended, not every row"),
+    M("rollout_length_per_process", "sampling that stops", (POLICY,),
+      (("    if torch.distributed.is_available() and torch.distributed.is_initialized():\n        longest",
+        "    if False:\n        longest"),),
+      "each process keeps its own responses' length: the processes train on other columns than one process would"),
+    M("short_chunk_padded", "sampling that stops", (POLICY,),
+      (("            r = torch.cat([r, sample_responses(lm, contexts, pad_id, length - r.shape[1], temperature)], 1)",
+        "            r = torch.cat([r, r.new_full((len(r), length - r.shape[1]), pad_id)], 1)"),),
+      "a rollout chunk that stopped sooner padded to the batch's length instead of sampled on"),
 ]  # fmt: skip
 
 REFERENCE_TESTS = "tests/test_openai_reference.py::"
@@ -376,9 +420,10 @@ COMPARISON = [  # the comparison with OpenAI's code and of N processes with 1, t
     f"{PROCESSES_TESTS}test_the_reward_model_on_two_processes_is_the_reward_model_on_one[zero2]",
     f"{PROCESSES_TESTS}test_ppo_on_two_processes_is_ppo_on_one[zero2]",
     f"{REFERENCE_TESTS}test_free_running_curves_agree_with_openais_seeds",
+    f"{PROCESSES_TESTS}test_a_chat_task_with_fields_on_two_processes_is_the_task_on_one",
 ]
 SECOND_TIER = ["tests/test_policy_units.py", "tests/test_reward_units.py", "tests/test_shared_helpers.py",
-               "tests/test_mixed_precision.py", "tests/test_tasks.py", "tests/test_e2e.py"]  # fmt: skip
+               "tests/test_mixed_precision.py", "tests/test_tasks.py", "tests/test_chat.py", "tests/test_e2e.py"]  # fmt: skip
 """The suite's unit and end-to-end tests of the scripts, run on what the comparison misses."""
 
 

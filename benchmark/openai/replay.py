@@ -14,8 +14,10 @@ epochs, Adam, the lr schedule, the KL controller, the normalization's arithmetic
 A global batch of N rows is split as OpenAI's ranks split it: process r of W takes rows r * N / W ... (r + 1) * N / W.
 SAMPLES.npz: `{before,after}_{queries,responses}`, (N, C) and (N, T), OpenAI's right-padded queries (pad 50259).
 ROLLOUTS.npz: `queries` (U, B, C), `responses` (U, B, T) per update and, optionally, `orders` (U, R, epochs, B / R):
-OpenAI rank g's permutation of its rows in each epoch (R = --ppo.whitening-ranks). Without `responses`, only the
-queries (and orders) are given and the script samples its own responses (the free-running side by side).
+OpenAI rank g's permutation of its rows in each epoch (R = --ppo.whitening-ranks), and `rows` (U, B): each query's
+text in --task.query-dataset, whose fields a --rewards.function asks for (tests/test_processes.py's chat task).
+Without `responses`, only the queries (and orders) are given and the script samples its own responses (the
+free-running side by side).
 --policy-init DIR (policy): the trained policy starts from DIR (a policy directory as the script writes it, value
 head included), the reference policy from --base-model: a warm start, as OpenAI's side is given.
 
@@ -50,10 +52,11 @@ class Replay:
     OpenAI's arguments at the replaced calls (rows, response_length, temperature, samples_per_query, ranks and, for PPO,
     nminibatches, noptepochs)."""
 
-    def __init__(self, batches: list[tuple[np.ndarray, Optional[np.ndarray]]], pad_id: int, call_sites: dict):
+    def __init__(self, batches: list[tuple[np.ndarray, Optional[np.ndarray]]], pad_id: int, call_sites: dict,
+                 rows: Optional[list[np.ndarray]] = None):  # fmt: skip
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         self.batches, self.pad_id, self.pending, self.taken = list(batches), pad_id, None, 0
-        self.call_sites = call_sites
+        self.call_sites, self.rows = call_sites, None if rows is None else list(rows)
 
     def share(self, rows: np.ndarray) -> np.ndarray:
         size = len(rows) // self.world
@@ -68,9 +71,10 @@ class Replay:
         """The query stream `main` builds reads this process's share: its rank and world size are the process's."""
         self.check("the query stream's (rank, world size)", (rank, world_size), (self.rank, self.world))
 
-    def queries(self, n: int) -> torch.Tensor:
-        """The next given batch's queries, this process's share (left-padded, with this project's pad id): the script
-        must ask for exactly that share."""
+    def queries(self, n: int) -> tuple[torch.Tensor, Optional[list[int]]]:
+        """The next given batch's queries, this process's share (left-padded, with this project's pad id), and their
+        dataset rows when given (None: the batch's fields are not replayed): the script must ask for exactly that
+        share."""
         if not self.batches:
             raise SystemExit(f"replay.py: a batch asked for beyond the {self.taken} given ones")
         if self.pending is not None and self.pending[1] is not None:
@@ -82,8 +86,9 @@ class Replay:
         queries = torch.from_numpy(self.share(np.asarray(queries, dtype=np.int64)))
         queries = torch.where(queries == OPENAI_PAD_ID, self.pad_id, queries)
         responses = None if responses is None else torch.from_numpy(self.share(np.asarray(responses, dtype=np.int64)))
+        rows = None if self.rows is None else self.share(np.asarray(self.rows[self.taken])).tolist()
         self.pending, self.taken = (queries, responses), self.taken + 1
-        return queries
+        return queries, rows
 
     def responses(self, contexts: torch.Tensor, response_length: int, temperature: float, samples_per_context: int):
         """The given responses of the next rows of the batch the script just took (it samples in chunks), if
@@ -148,17 +153,21 @@ def install(script, replay: Replay, orders=None) -> list:
             if self.replayed:
                 replay.check_stream(self.rank, self.world_size)
 
-        def next_batch(self, n: int) -> torch.Tensor:
+        def next_batch(self, n: int, device="cpu") -> tuple[torch.Tensor, dict]:
             if not (self.replayed and inside[0]):
-                return super().next_batch(n)
-            given = replay.queries(n)
+                return super().next_batch(n, device)
+            given, rows = replay.queries(n)
+            given = script.right_padding_to_left_padding(given, replay.pad_id)
             replay.pending = (self.format(given), replay.pending[1])  # what sample_responses will be handed
-            return script.right_padding_to_left_padding(given, replay.pad_id)
+            if rows is None and self.texts.carried:
+                raise SystemExit(f"replay.py: the script's reward function asks for {self.texts.carried}, which the "
+                                 "given batches hold no `rows` for")  # fmt: skip
+            return given.to(device), {} if rows is None else self.texts.fields(rows)
 
-    def replayed_sample(lm, contexts, pad_id, response_length, temperature, samples_per_context=1):
+    def replayed_sample(lm, contexts, pad_id, response_length, temperature, samples_per_context=1, stop=None):
         given = replay.responses(contexts, response_length, temperature, samples_per_context)
         if given is None:
-            return original_sample(lm, contexts, pad_id, response_length, temperature, samples_per_context)
+            return original_sample(lm, contexts, pad_id, response_length, temperature, samples_per_context, stop)
         return given
 
     script.QueryStream, script.sample_responses = ReplayedQueryStream, replayed_sample
@@ -226,12 +235,13 @@ def main(argv: list[str]) -> None:
 
         phases = [(data[f"{phase}_queries"], data[f"{phase}_responses"]) for phase in ("before", "after")]
         batches = [phases[0], phases[0], phases[1], phases[1]]  # each normalization samples twice: set, then check
-        orders = None
+        orders = rows = None
     elif script_name == "train_policy_accelerate.py":
         import train_policy_accelerate as script
 
         responses = data["responses"] if "responses" in data.files else [None] * len(data["queries"])
         batches = list(zip(data["queries"], responses, strict=True))
+        rows = data["rows"] if "rows" in data.files else None  # the queries' dataset rows: their fields
         orders = data["orders"] if "orders" in data.files else None
         if policy_init is not None:
             start_policy_from(script, policy_init)
@@ -239,7 +249,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"replay.py: {script_name}: train_reward_accelerate.py or train_policy_accelerate.py")
     args = run_utils.task_cli(script.task_defaults, flags)
     tokenizer = script.load_tokenizer(args.base_model)
-    replay = Replay(batches, tokenizer.pad_token_id, call_sites)
+    replay = Replay(batches, tokenizer.pad_token_id, call_sites, rows)
     orders_taken = install(script, replay, orders)
     script.main(args)
     replay.check_all_taken(len(orders_taken), orders)

@@ -847,7 +847,7 @@ def sampler_logprobs(policy_dir: Path, queries: np.ndarray, responses: np.ndarra
     import train_policy_accelerate as P
 
     lm, tokenizer = P.load_pretrained(AutoModelForCausalLM, str(policy_dir)), P.load_tokenizer(str(policy_dir))
-    task, pad_id = SimpleNamespace(**task_settings(scenario)), tokenizer.pad_token_id
+    task, pad_id = SimpleNamespace(**task_settings(scenario), chat_template=False), tokenizer.pad_token_id
     stream = SimpleNamespace(tokenizer=tokenizer, task=task, pad_id=pad_id)  # what QueryStream.format reads
     given = torch.from_numpy(queries).long()
     contexts = P.QueryStream.format(stream, torch.where(given == OPENAI_PAD_ID, pad_id, given))
@@ -881,7 +881,10 @@ def openai_query_order(assets: Path, seed: int, batches: int, scenario: Optional
     texts = [line.strip() for line in (assets / "corpus.txt").read_text().splitlines() if line.strip()]
     random.seed(seed)
     random.shuffle(texts)
-    tokenizer, task = P.load_tokenizer(str(assets / "base")), SimpleNamespace(**task_settings(scenario))
+    tokenizer, task = (
+        P.load_tokenizer(str(assets / "base")),
+        SimpleNamespace(**task_settings(scenario), chat_template=False),
+    )
     queries = []
     for text in texts:
         tokens = tokenizer.encode(rlhf_data.clean_query_text(text, "sentiment"), add_special_tokens=False)
