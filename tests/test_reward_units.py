@@ -408,10 +408,10 @@ class CyclingQueries:
     def __init__(self, queries: torch.Tensor):
         self.queries, self.position = queries, 0
 
-    def next_batch(self, n: int) -> tuple[torch.Tensor, dict]:
+    def next_batch(self, n: int, device="cpu") -> tuple[torch.Tensor, dict]:
         index = (self.position + torch.arange(n)) % len(self.queries)
         self.position += n
-        return self.queries[index], {}
+        return self.queries[index].to(device), {}
 
     def format(self, queries: torch.Tensor) -> torch.Tensor:
         return queries  # no prefix or suffix
