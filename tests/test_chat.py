@@ -362,3 +362,19 @@ def test_a_chat_run_with_fields_resumes_exactly(tiny_chat_assets, tmp_path):
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout + resumed.stderr, resumed.stderr[-3000:]
     assert not log.exists(), log.read_text()
     assert_same_run(tmp_path / "run", tmp_path / "reference", "policy/model.safetensors")
+
+
+def test_the_stopping_benchmark_runs_both_arms_on_the_same_flags(tiny_chat_assets, capsys):
+    """benchmark/speed/stop_when_ended.py (docs/chat.md's measurement) on the tiny chat model: the stopping arm samples
+    fewer columns than the fixed-length arm's --task.response-length, which samples them all."""
+    from benchmark.speed import stop_when_ended
+
+    args = stop_when_ended.Args(base_model=str(tiny_chat_assets["model"]), dataset=str(tiny_chat_assets["questions"]),
+                                reward_function="tests.chat_rewards:word_count", response_length=24, query_length=40,
+                                batch_size=8, updates=2, repeats=1, threads=1)  # fmt: skip
+    results = stop_when_ended.main(args)
+    stopping, fixed = results
+    assert stopping["stop_when_ended"] and not fixed["stop_when_ended"]
+    assert max(stopping["sampled_length"]) < 24 and fixed["sampled_length"] == [24, 24]
+    assert all(len(result[phase]) == 2 for result in results for phase in stop_when_ended.PHASES)
+    assert "| stops when every response ended | 2 |" in capsys.readouterr().out

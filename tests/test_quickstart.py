@@ -459,3 +459,32 @@ def test_steal_is_the_share_of_cpu_time_the_host_gave_away():
     assert quickstart.steal_percent(start, start) is None and quickstart.steal_percent(None, end) is None
     reading = quickstart.cpu_times()
     assert reading is None or (len(reading) == 8 and all(x >= 0 for x in reading))
+
+
+def test_the_arithmetic_quick_start_on_the_tiny_chat_model(tiny_chat_assets, tmp_path):
+    """`python quickstart.py --task arithmetic` end to end on the tiny chat model and a few of arithmetic_task.py's
+    sums: no reward phase, the policy in the chat template against the answer check, the held-out accuracy before and
+    after (0 or 1 a sample), the report named for it."""
+    import arithmetic_task
+
+    sums = arithmetic_task.write_problems(tmp_path / "sums.jsonl")
+    output_dir = tmp_path / "quickstart"
+    command = [sys.executable, str(REPO / "quickstart.py"), "--task", "arithmetic", "--smoke", "--output-dir",
+               str(output_dir), "--base-model", str(tiny_chat_assets["model"]), "--corpus", str(sums), "--threads", "1",
+               "--query-length", "64", "--response-length", "8", "--ppo-batch-size", "8", "--eval-queries", "4",
+               "--bootstrap-resamples", "200", "--table-rows", "2"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "reward model: none, direct RL against" in result.stdout  # (the console wraps the rest of the line)
+    assert "--rewards.function arithmetic_task:answer_reward" in result.stdout  # the command it printed
+    assert "held-out accuracy       initial" in result.stdout and "verdict: held-out accuracy" in result.stdout
+    assert not (output_dir / "reward").exists()
+    args = json.loads((output_dir / "policy" / "args.json").read_text())
+    assert args["task"]["chat_template"] and args["task"]["stop_when_ended"] and args["task"]["truncate_after"] == 0
+    assert args["task"]["gold_labeler"] == "arithmetic_task:answer_reward"
+    rows = read_jsonl(output_dir / "policy" / "eval_samples.jsonl")
+    assert len(rows) == 2 * 4 * 2 and all(row["gold_score"] in (0.0, 1.0) for row in rows)
+    assert all(row["query"].startswith("Q: What is ") for row in rows)
+    metrics = [row for row in read_jsonl(output_dir / "policy" / "metrics.jsonl") if "objective/kl" in row]
+    assert all(1 <= row["objective/sampled_length"] <= 8 for row in metrics)
+    assert (output_dir / "learning_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
