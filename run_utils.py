@@ -11,7 +11,9 @@ model, calls `backward()` or `generate()`, or imports the scripts or rlhf_data (
 three).
 """
 
+import atexit
 import ctypes
+import fcntl
 import importlib
 import itertools
 import json
@@ -309,7 +311,7 @@ def check_base_model(args, tokenizer, config) -> None:
     response (the scripts' other models read less: the bare query ⊕ response)."""
     require_causal_lm(config, args.base_model, "--base-model")
     if os.path.isdir(args.base_model):
-        check_model_files(args.base_model, "--base-model")
+        check_weights_fit(args.base_model, "--base-model", config)
     task = args.task
     prefix, suffix = (len(tokenizer.encode(text, add_special_tokens=False)) for text in (task.query_prefix,
                                                                                          task.query_suffix))  # fmt: skip
@@ -430,9 +432,9 @@ def weights_file_problem(path: Path) -> Optional[str]:
     return None
 
 
-def check_model_files(directory: str, flag: str) -> None:
+def check_model_files(directory: str, flag: str) -> list[Path]:
     """The weight files a Hugging Face model directory loads from (the safetensors ones when there are, as
-    transformers prefers them; every shard of an index), there and whole, before any model loads."""
+    transformers prefers them; every shard of an index), there and whole, before any model loads; returns them."""
     path = Path(directory)
     for name in ("model.safetensors", "pytorch_model.bin"):
         index, files = path / f"{name}.index.json", [path / name] if (path / name).is_file() else []
@@ -447,6 +449,50 @@ def check_model_files(directory: str, flag: str) -> None:
         problem = weights_file_problem(file) if file.is_file() else "missing"
         if problem:
             fail(f"{flag} {directory!r}: cannot load its weights ({file.name} {problem})")
+    return files
+
+
+def stored_shapes(files: list[Path], flag: str, value: str) -> dict[str, list[int]]:
+    """Every tensor's name and shape in a model's weight files: a .safetensors file's header, a torch.save file's
+    tensors memory-mapped onto the meta device (no tensor is read)."""
+    shapes = {}
+    for path in files:
+        if path.suffix == ".safetensors":
+            shapes.update(safetensors_shapes(path, flag, value))
+        else:
+            with flag_errors(flag, value, f"cannot read {path.name}"):
+                state = torch.load(path, map_location="meta", mmap=True, weights_only=True)
+            shapes.update({name: list(tensor.shape) for name, tensor in state.items() if hasattr(tensor, "shape")})
+    return shapes
+
+
+def check_weights_fit(directory: str, flag: str, config, causal_lm: bool = True) -> None:
+    """The weights of a local model directory against the model its config builds (on the meta device: nothing is
+    allocated), by their names and shapes, before any model loads: a tensor of another shape (transformers would
+    refuse it after the other models loaded) or a parameter the files lack (transformers would start it at random,
+    quietly here, where its load report is hidden) is one line naming the flag. Tied parameters count once; a
+    checkpoint of the base model or of the LM may drop or hold the base model's prefix (`transformer.`, `model.`)."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    stored = stored_shapes(check_model_files(directory, flag), flag, directory)
+    with torch.device("meta"), quiet_load_report():
+        model = (AutoModelForCausalLM if causal_lm else AutoModel).from_config(config)
+    prefix = f"{model.base_model_prefix}."
+    stored = {name.removeprefix(prefix): shape for name, shape in stored.items()}
+    groups: dict[int, list[str]] = {}  # one parameter (tied ones together) -> its names
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(parameter), []).append(name)
+    shapes = dict(model.named_parameters(remove_duplicate=False))
+    missing = [names[0].removeprefix(prefix) for names in groups.values()
+               if not any(name.removeprefix(prefix) in stored for name in names)]  # fmt: skip
+    for name, parameter in shapes.items():
+        found = stored.get(name.removeprefix(prefix))
+        if found is not None and list(parameter.shape) != list(found):
+            fail(f"{flag} {directory!r}: its weights do not fit its config.json: {name.removeprefix(prefix)} is "
+                 f"{list(found)} in the weights, {list(parameter.shape)} in the model the config builds")  # fmt: skip
+    if missing:
+        fail(f"{flag} {directory!r}: {len(missing)} of the {len(groups)} weights its config.json builds are not in its "
+             f"weight files (e.g. {missing[0]}): loaded, they would start at random")  # fmt: skip
 
 
 def safetensors_shapes(path: Path, flag: str, value: str) -> dict[str, list[int]]:
@@ -509,17 +555,110 @@ def save_directory_atomic(path: Path, write) -> None:
         os.replace(temporary, path)
 
 
+LOCK_FILE = ".run.lock"
+"""In --output-dir: held (flock) by the process that runs there (process 0 of a multi-process run), for the run's life;
+it names that process (PID, host, start). The kernel releases a flock when its process ends, however it ends."""
+
+
+def lock_holder(directory: Path) -> Optional[str]:
+    """Who holds `directory`'s run lock now, in words ("PID 123 on host h, since ..."), or None when no live process
+    holds it. Takes and at once releases a shared lock: a probe for --dry-run and the input checks, never a claim."""
+    path = Path(directory) / LOCK_FILE
+    try:
+        with open(path) as file:
+            try:
+                fcntl.flock(file, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return describe_lock(file.read())
+            except OSError:  # a file system without flock: the PID, when it is this host's
+                return lock_by_pid(file.read())
+            fcntl.flock(file, fcntl.LOCK_UN)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+    return None
+
+
+def describe_lock(content: str) -> str:
+    try:
+        holder = json.loads(content)
+        return f"PID {holder['pid']} on host {holder['host']}, since {holder['since']}"
+    except (ValueError, KeyError, TypeError):
+        return "a process that has not written its name yet"
+
+
+def lock_by_pid(content: str) -> Optional[str]:
+    """Without flock: the holder the file names, if it is a live process of this host (or of another host, whose
+    processes this one cannot see: assumed alive)."""
+    try:
+        holder = json.loads(content)
+        if holder["host"] == socket.gethostname():
+            os.kill(int(holder["pid"]), 0)
+    except ProcessLookupError:
+        return None
+    except (ValueError, KeyError, TypeError, PermissionError):
+        pass
+    return describe_lock(content) if content.strip() else None
+
+
+class RunLock:
+    """The run's claim on its --output-dir (LOCK_FILE), taken before the run writes anything there and kept until the
+    process ends: a second run on the same directory stops at once, naming this one. A lock that a killed process (kill
+    -9, a lost node) left in the file, with no live holder, is said to be stale and taken over; a live one never is."""
+
+    def __init__(self, directory: Path, flag: str):
+        self.path, self.file = Path(directory) / LOCK_FILE, None
+        file = open(self.path, "a+")
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = describe_lock(file.read())
+            file.close()
+            fail(f"{flag} is in use by another run ({holder}): wait for it to end, or use another {flag}")
+        except OSError:  # no flock on this file system: the PID in the file decides
+            file.seek(0)
+            holder = lock_by_pid(file.read())
+            if holder is not None:
+                file.close()
+                fail(f"{flag} is in use by another run ({holder}; this file system has no flock: remove "
+                     f"{self.path} if that run is gone)")  # fmt: skip
+        file.seek(0)
+        left = file.read().strip()
+        if left:
+            console.print(f"{flag}: a stale run lock ({describe_lock(left)}, which no longer runs: killed or its node "
+                          "lost) taken over", markup=False, highlight=False, soft_wrap=True)  # fmt: skip
+        file.seek(0)
+        file.truncate()
+        file.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                               "since": time.strftime("%Y-%m-%d %H:%M:%S")}))  # fmt: skip
+        file.flush()
+        self.file = file
+        atexit.register(self.release)
+
+    def release(self) -> None:
+        """Empty the file and let go (at the end of the run, or at exit however it exits but a kill)."""
+        if self.file is not None and not self.file.closed:
+            self.file.seek(0)
+            self.file.truncate()
+            self.file.flush()
+            fcntl.flock(self.file, fcntl.LOCK_UN)
+            self.file.close()
+
+
 RUN_KINDS = {"policy": ("ppo", "a policy run (train_policy_accelerate.py)"),
              "reward_model": ("labels", "a reward-model run (train_reward_accelerate.py)")}  # fmt: skip
 """Each script's result directory -> a top-level key that only its args.json has, and what its run is called."""
 
 
-def check_output_dir(args, result: str, may_change: set[str]) -> Path:
+def check_output_dir(args, result: str, may_change: set[str], own_lock: bool = False) -> Path:
     """--output-dir as the run will find it, checked without touching it (a --dry-run checks it too, and the run
     again when it starts): it holds no run of another script or a quick start (refused even with --overwrite); a
     previous run of this script is touched only with --resume (its flags as before, when it did any work) or
     --overwrite (no input inside what that removes); it can be written to."""
     path, shown = Path(args.output_dir), repr(args.output_dir)
+    if not own_lock and os.environ.get("RANK", "0") == "0" and (holder := lock_holder(path)) is not None:
+        fail(f"--output-dir {shown} is in use by another run ({holder}): wait for it to end, or use another "
+             "--output-dir")  # fmt: skip
     saved = {}
     if (path / "args.json").is_file():
         try:
@@ -552,18 +691,22 @@ def check_output_dir(args, result: str, may_change: set[str]) -> Path:
     return path
 
 
-def prepare_output_dir(args, result: str, may_change: set[str]) -> Path:
-    """Create the output directory once check_output_dir passes, and check it is writable now, not after hours of
-    training."""
+def prepare_output_dir(args, result: str, may_change: set[str], main: bool = True) -> tuple[Path, Optional[RunLock]]:
+    """Create the output directory once check_output_dir passes, check it is writable now, not after hours of
+    training, and (process 0) take its run lock before anything else in it is touched; then check it again, now that
+    no other run can change it."""
     path = check_output_dir(args, result, may_change)
+    lock = None
     try:
         path.mkdir(parents=True, exist_ok=True)
+        if main:
+            lock = RunLock(path, f"--output-dir {args.output_dir!r}")
         probe = path / f".write-test-{os.getpid()}"
         probe.write_text("")
         probe.unlink()
     except OSError as error:
         fail(f"--output-dir {args.output_dir!r} is not writable ({error.strerror})")
-    return path
+    return check_output_dir(args, result, may_change, own_lock=True) if main else path, lock
 
 
 def removed_container(value: str, removed: list[Path]) -> Optional[Path]:
@@ -746,7 +889,8 @@ class Run:
         self.main, self.console, self.stop_signal = accelerator.is_main_process, console, None
         for signum in (signal.SIGTERM, signal.SIGINT):  # before the first file is written: a stop keeps it whole
             signal.signal(signum, self.handle_signal)
-        self.output_dir = prepare_output_dir(args, result, may_change)  # and --resume's flags, --overwrite's inputs
+        # the run's lock on it (process 0, for the run's life), --resume's flags, --overwrite's inputs
+        self.output_dir, self.lock = prepare_output_dir(args, result, may_change, self.main)
         accelerator.wait_for_everyone()  # every process has looked at the directory before process 0 writes to it
         self.finished = args.resume and (self.output_dir / result).is_dir()
         self.start_step, self.start_time, self.checkpoint = 0, time.time(), None
@@ -914,6 +1058,8 @@ class Run:
             self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
+        if self.lock is not None:
+            self.lock.release()
 
     # -- checkpoints and stop signals ----------------------------------------------------------------------------------
     def handle_signal(self, signum, frame) -> None:
@@ -943,7 +1089,12 @@ class Run:
                 f"--resume: {self.checkpoint} was written by an older version of the scripts; start again with --overwrite"
             )
         self.check_same_processes(self.checkpoint, state["world_size"])
-        self.accelerator.load_state(str(self.checkpoint))
+        try:  # a model or optimizer of other names or shapes than these flags build: one line, not torch's report
+            self.accelerator.load_state(str(self.checkpoint))
+        except (RuntimeError, KeyError, ValueError) as error:
+            detail = " ".join(str(error).split())  # torch's report: "Error(s) in loading ... Missing key(s) ..."
+            fail(f"--resume: {self.checkpoint} does not fit the model these flags build "
+                 f"({detail[:200]}{' ...' if len(detail) > 200 else ''}); start again with --overwrite")  # fmt: skip
         state["process"] = state.pop("processes")[self.accelerator.process_index]
         self.start_step, self.start_time = state["step"], time.time() - state["elapsed"]
         self.print(f"resumed from {self.checkpoint} at {self.step_name} {self.start_step + 1}")

@@ -978,7 +978,7 @@ def check_reward_model(directory: str, tokenizer=None, task: Optional[TaskHParam
         run_utils.fail(f"{flag} {directory!r}: its reward_model.json has no integer pad_id")
     with run_utils.flag_errors(flag, directory, "cannot read its config.json"):
         config = AutoConfig.from_pretrained(directory)
-    run_utils.check_model_files(directory, flag)
+    run_utils.check_weights_fit(directory, flag, config, causal_lm=False)  # the backbone's
     shapes = run_utils.safetensors_shapes(path / "reward_head.safetensors", flag, directory)
     head = {"scalar_head.weight": [1, config.hidden_size], "scalar_head.bias": [1], "reward_gain": [],
             "reward_bias": []}  # fmt: skip

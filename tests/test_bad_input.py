@@ -312,6 +312,83 @@ def test_quickstart_overwrite_checks_the_inputs_before_removing_anything(tmp_pat
     assert all((tmp_path / name).read_text() == "{}" for name in ("summary.json", "policy/metrics.jsonl"))
 
 
+def finished_quickstart(directory: Path) -> dict[str, str]:
+    """A finished quick start's files (as prepare_output_dir tells one), each holding its own name."""
+    (directory / "policy").mkdir(parents=True)
+    names = ("summary.json", "quickstart_args.json", "policy/metrics.jsonl", "learning_curves.png")
+    for name in names:
+        (directory / name).write_text(name)
+    return {name: name for name in names}
+
+
+def test_quickstart_overwrite_waits_for_the_inputs_an_unprepared_cache_hides(tiny_chat_assets, tmp_path, capsys):
+    """N52: with a --cache-dir that lacked an asset, every input check was skipped and --overwrite removed the
+    finished quick start before a --reward-function typo failed in the policy phase. Now the assets are prepared first
+    (here the arithmetic sums, made locally), then every input is checked, and only then does --overwrite act."""
+    import quickstart
+
+    files = finished_quickstart(tmp_path / "qs")
+    with pytest.raises(SystemExit) as failure:
+        quickstart.main(["--task", "arithmetic", "--output-dir", str(tmp_path / "qs"), "--overwrite", "--base-model",
+                         str(tiny_chat_assets["model"]), "--cache-dir", str(tmp_path / "cache"),
+                         "--reward-function", "nosuchmod:score"])  # fmt: skip
+    assert str(failure.value).startswith("quickstart: --reward-function 'nosuchmod:score': cannot import it")
+    assert {name: (tmp_path / "qs" / name).read_text() for name in files} == files  # nothing removed
+    assert (tmp_path / "cache" / quickstart.ARITHMETIC_FILE).is_file()  # the asset it prepared first
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (
+            ["--policy-args", "--output-dir elsewhere"],
+            "--policy-args '--output-dir elsewhere': --output-dir is the quick start's own",
+        ),
+        (["--reward-args=--dry-run"], "--reward-args '--dry-run': --dry-run is the quick start's own"),
+        (["--policy-args=--resume"], "--resume is the quick start's own"),
+        (
+            ["--policy-args=--base_model=x"],
+            "--base-model is the quick start's own (give quickstart.py --base-model)",
+        ),
+        (
+            ["--reward-args", "--task.query-dataset x.txt"],
+            "--task.query-dataset is the quick start's own (give quickstart.py --corpus)",
+        ),
+        (["--cache-dir", "FILE"], "--cache-dir FILE: a file, not a directory"),
+    ],
+    ids=["policy-output-dir", "reward-dry-run", "resume", "base-model", "corpus", "cache-dir-a-file"],
+)
+def test_quickstart_refuses_flags_that_would_change_its_own_plumbing(tmp_path, capsys, flags, words):
+    """N61, N62: --reward-args=--dry-run made the reward phase a no-op (the policy phase then blamed the reward
+    model); --policy-args "--output-dir X" trained into X and the report died with a traceback. N60: a --cache-dir
+    that is a file, a traceback. Each is one line now, before anything runs."""
+    import quickstart
+
+    (tmp_path / "FILE").write_text("")
+    flags = [flag.replace("FILE", str(tmp_path / "FILE")) for flag in flags]
+    with pytest.raises(SystemExit):
+        quickstart.main(["--output-dir", str(tmp_path / "qs"), "--dry-run", *flags])
+    error = capsys.readouterr().err.strip()
+    assert (
+        "\n" not in error
+        and error.startswith("quickstart: ")
+        and words.replace("FILE", str(tmp_path / "FILE")) in error
+    )
+    assert not (tmp_path / "qs").exists()
+
+
+def test_quickstart_says_a_damaged_record_of_its_flags_is_damaged(tmp_path):
+    """N53: an unfinished quick start whose quickstart_args.json was cut short: a JSONDecodeError traceback."""
+    import quickstart
+
+    (tmp_path / "qs" / "reward").mkdir(parents=True)
+    (tmp_path / "qs" / "quickstart_args.json").write_text('{"seed": 1, "lab')
+    with pytest.raises(SystemExit) as failure:
+        quickstart.prepare_output_dir(tmp_path / "qs", quickstart.parse_args(quickstart.build_parser(), []), {})
+    assert str(failure.value).startswith(f"quickstart: {tmp_path / 'qs' / 'quickstart_args.json'} is damaged")
+    assert "--overwrite starts it again" in str(failure.value)
+
+
 # 2. a dry run checks every local input whatever --base-model is, and says what it could not check
 
 
@@ -457,10 +534,10 @@ def test_a_damaged_reward_model_fails_the_dry_run(tiny_assets, tmp_path, damage)
     check_one_line_error(run_in_process(POLICY, *flags), "--rewards.trained-model", damage)
 
 
-@pytest.mark.parametrize("damage", ["state.json", "pytorch_model.bin"])
+@pytest.mark.parametrize("damage", ["state.json", "pytorch_model.bin", "a model of other tensors"])
 def test_resume_with_a_damaged_checkpoint_is_one_line(tiny_assets, tmp_path, damage):
     """G11, G12: a checkpoint cut short gave a JSONDecodeError or an OSError traceback (the older checkpoint it falls
-    back to: tests/test_resume.py)."""
+    back to: tests/test_resume.py); a whole checkpoint of another model, torch's load report as a traceback."""
     import torch
 
     import train_policy_accelerate as P
@@ -478,9 +555,11 @@ def test_resume_with_a_damaged_checkpoint_is_one_line(tiny_assets, tmp_path, dam
              "processes": [{}]}  # fmt: skip
     (checkpoint / "state.json").write_text(json.dumps(state)[: 40 if damage == "state.json" else None])
     torch.save({"x": torch.zeros(100)}, checkpoint / "pytorch_model.bin")
+    (checkpoint / "metrics.jsonl").write_text('{"update": 1}\n')  # a checkpoint's copy of the logs
     if damage == "pytorch_model.bin":
         (checkpoint / damage).write_bytes((checkpoint / damage).read_bytes()[:500])
-    last = check_one_line_error(run_in_process(POLICY, *flags, "--resume"), "--resume", damage)
+    words = ("does not fit the model these flags build",) if damage == "a model of other tensors" else (damage,)
+    last = check_one_line_error(run_in_process(POLICY, *flags, "--resume"), "--resume", *words)
     assert "--overwrite" in last and (output_dir / "metrics.jsonl").read_text() == '{"update": 1}\n'
 
 
@@ -637,4 +716,69 @@ CHAT_CASES = list(chat_cases({"model": "", "corpus": ""}, {"model": "", "questio
 def test_bad_chat_and_field_inputs_are_one_line_before_any_model_loads(tiny_assets, tiny_chat_assets, tmp_path, case):
     script, flags, words = chat_cases(tiny_assets, tiny_chat_assets)[case]
     check_one_line_error(run_in_process(script, *flags, "--output-dir", str(tmp_path / "out")), *words)
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# weights that do not fit the model their config builds (N16, N17, N74)
+
+
+def refit_weights(directory: Path, change) -> None:
+    """Rewrite a model directory's model.safetensors as change(its tensors) returns them."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(directory / "model.safetensors")
+    save_file(change(tensors), directory / "model.safetensors")
+
+
+WEIGHT_CASES = {
+    "no tensor of the backbone": lambda tensors: {"foo": torch_zeros(1)},
+    "a tensor of another shape": lambda tensors: {**tensors, "transformer.h.0.mlp.c_fc.weight": torch_zeros(64, 8)},
+    "one layer missing": lambda tensors: {k: v for k, v in tensors.items() if not k.startswith("transformer.h.1.")},
+}
+
+
+def torch_zeros(*shape):
+    import torch
+
+    return torch.zeros(*shape)
+
+
+@pytest.mark.parametrize("case", WEIGHT_CASES)
+def test_reward_model_weights_that_do_not_fit_its_config_are_refused_before_any_model_loads(tiny_assets, tmp_path,
+                                                                                             case):  # fmt: skip
+    """N17: a reward model whose weights file holds no tensor of its backbone loaded at random (0 of 272 tensors),
+    silently, and the policy trained against it; N74: weights of another shape, a traceback after the policy and the
+    reference had loaded. Now one line from the dry run on, naming what does not fit."""
+    reward_model = make_fake_reward_model(tiny_assets, tmp_path)
+    refit_weights(reward_model, WEIGHT_CASES[case])
+    flags = ["--base-model", str(tiny_assets["model"]), "--rewards.trained-model", str(reward_model),
+             "--task.query-dataset", str(tiny_assets["corpus"]), "--output-dir", str(tmp_path / "out")]  # fmt: skip
+    for extra in (["--dry-run"], []):
+        last = check_one_line_error(run_in_process(POLICY, *flags, *extra), "--rewards.trained-model")
+        words = "do not fit its config.json" if case == "a tensor of another shape" else "would start at random"
+        assert words in last, last
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("script", [REWARD, POLICY])
+def test_a_base_model_whose_weights_do_not_fit_its_config_is_refused_before_any_model_loads(tiny_assets, tmp_path,
+                                                                                            script):  # fmt: skip
+    """N16: a base model directory with another model's weights (another width) passed the dry run, then failed with a
+    50-line traceback once the run had started."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_assets["model"], base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "n_embd": 128}))
+    flags = ["--base-model", str(base), "--task.query-dataset", str(tiny_assets["corpus"]), "--output-dir",
+             str(tmp_path / "out"), *script_inputs(script, tiny_assets, tmp_path)]  # fmt: skip
+    if script == POLICY:  # a reward model of the base model's own width, so that the base model is what fails
+        flags[flags.index("--rewards.trained-model") :] = ["--rewards.function", "sentiment"]
+    for extra in (["--dry-run"], []):
+        check_one_line_error(
+            run_in_process(script, *flags, *extra),
+            "--base-model",
+            "do not fit its config.json",
+            "wte.weight is [404, 64] in the weights, [404, 128] in the model",
+        )
     assert not (tmp_path / "out").exists()

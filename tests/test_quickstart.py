@@ -371,7 +371,40 @@ def test_ctrl_c_before_a_phases_script_started_is_that_phases_and_starts_nothing
         quickstart.run_script(Console(), "policy", [sys.executable, "train_policy_accelerate.py"], {})
     except BaseException as stopped:  # a KeyboardInterrupt that got through must fail here, not stop pytest
         stop = stopped
-    assert isinstance(stop, quickstart.Interrupted) and stop.args == ("policy",), repr(stop)
+    assert isinstance(stop, quickstart.Interrupted) and stop.args == ("policy", signal.SIGINT), repr(stop)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_or_sighup_to_the_quick_start_stops_its_script_too(tiny_assets, tmp_path, sig):
+    """N51: a SIGTERM (`kill`, `timeout`) or SIGHUP (a closed terminal) to the quick start alone ended it silently
+    while its training script, in a process group of its own, trained on alone. Now the script gets a SIGTERM, stops
+    with a checkpoint, the quick start waits for it and says so (exit 128 + the signal), no process is left behind,
+    and the same command continues."""
+    import psutil
+
+    output_dir = tmp_path / "quickstart"
+    command = tiny_quickstart(tiny_assets, output_dir, updates=12)
+    log = tmp_path / "log.txt"
+    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    deadline, script = time.time() + 240, None
+    while time.time() < deadline and script is None:  # the reward script has started and written its args.json
+        assert process.poll() is None, log.read_text()[-3000:]
+        children = psutil.Process(process.pid).children()
+        started = [c for c in children if "train_reward_accelerate.py" in " ".join(c.cmdline())]
+        if started and (output_dir / "reward" / "args.json").exists():
+            script = started[0]
+        time.sleep(0.05)
+    assert script is not None, log.read_text()[-3000:]
+    process.send_signal(sig)  # to the quick start only, as `kill PID` would
+    process.wait(timeout=120)
+    output = log.read_text()
+    assert process.returncode == 128 + sig, output[-3000:]
+    assert f"quickstart: stopped by {signal.Signals(sig).name} in the reward model phase" in output
+    assert not script.is_running() or script.status() == psutil.STATUS_ZOMBIE, "its script trains on alone"
+    if sig == signal.SIGTERM:  # the stopped phase resumes: the same command finishes
+        again = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+        assert (output_dir / "summary.json").exists()
 
 
 def test_direct_rl_trains_against_the_gold_judge_without_a_reward_phase(tiny_assets, tmp_path):

@@ -87,6 +87,7 @@ def test_tracked_resume_continues_the_same_wandb_run(tmp_path, monkeypatch):
         run.log({"x": 1.0}, step=4)
         run.log({"x": 2.0}, step=5)
         run.file.close()
+        run.lock.release()  # each attempt, as the process that ran it would at its end
     first, fresh, resumed = (kwargs["id"] for kwargs in inits)
     assert first != fresh and resumed == fresh == (tmp_path / "wandb_run_id").read_text()  # --overwrite: a new run
     assert all(kwargs["resume"] == "allow" and kwargs["dir"] == tmp_path for kwargs in inits)  # wandb/ in the run
