@@ -329,8 +329,9 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, outpu
             if name in QUICKSTART_OWNS:
                 parser.error(f"{flag} {value!r}: {name} is the quick start's own ({QUICKSTART_OWNS[name]}): leave it "
                              f"out of {flag}")  # fmt: skip
-    if Path(args.cache_dir).exists() and not Path(args.cache_dir).is_dir():
-        parser.error(f"--cache-dir {args.cache_dir}: a file, not a directory")
+    for flag, path in (("--cache-dir", Path(args.cache_dir)), ("--output-dir", output_dir)):
+        if path.exists() and not path.is_dir():  # (N55, N60)
+            parser.error(f"{flag} {path}: a file, not a directory")
     if args.reward_model is not None and args.reward_function is not None:
         parser.error("give one of --reward-model (a trained reward model) and --reward-function (direct RL)")
     base_model, corpus = planned_inputs(args)

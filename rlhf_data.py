@@ -108,6 +108,17 @@ def end_of_turn_text(tokenizer) -> str:
     return after
 
 
+def no_query_message(task) -> str:
+    """Why a query dataset yields no query: what a text must be for the task's flags."""
+    if task.chat_template:
+        must = f"fits --task.query-length {task.query_length} in the chat template"
+    else:
+        rules = [f"starts after --task.start-text {task.start_text!r}"] if task.start_text else []
+        rules += [f"ends with --task.end-text {task.end_text!r}"] if task.end_text else []
+        must = f"{' and '.join(rules) or 'is not empty'} within --task.query-length {task.query_length}"
+    return f"--task.query-dataset {task.query_dataset!r}: no text yields a query (one that {must})"
+
+
 def join_rows(rows: list[str]) -> str:
     """Consecutive rows (sentences) as one text, empty rows left out."""
     return " ".join(row for row in rows if row)
@@ -187,8 +198,11 @@ class QueryTexts:
 
     def read_file(self) -> list[str]:
         path, flag = self.name, "--task.query-dataset"
+        if not path.endswith((".txt", ".json", ".jsonl")):  # a .csv read as lines would keep its header and commas
+            fail(f"{flag} {path!r}: a local file is a .txt (one text per line), .json or .jsonl file; give a .jsonl "
+                 "with a text field, or a directory of a Hub dataset's files")  # fmt: skip
         with flag_errors(flag, path, "cannot read it"):
-            content = Path(path).read_text(encoding="utf-8")
+            content = Path(path).read_text(encoding="utf-8-sig")  # a byte-order mark is no text (N26)
         if path.endswith((".json", ".jsonl")):
             rows, where = [], []  # the records, and where each is: "line N" of JSON lines, "record N" of a list
             try:
@@ -196,10 +210,10 @@ class QueryTexts:
                     if line.strip():
                         rows.append(json.loads(line))
                         where.append(f"line {number}")
-            except json.JSONDecodeError as error:
+            except (ValueError, RecursionError) as error:  # bad JSON, a 5000-digit number, nesting beyond the stack
                 try:  # a .json file with a list spread over several lines
                     rows, where = json.loads(content), None
-                except json.JSONDecodeError as whole:  # the error of the form the file starts as
+                except (ValueError, RecursionError) as whole:  # the error of the form the file starts as
                     problem = f"line {number}: {first_line(error)}"
                     problem = first_line(whole) if content.lstrip().startswith("[") else problem
                     fail(f"{flag} {path!r}: not JSON lines or a JSON list ({problem})")
@@ -338,7 +352,7 @@ def read_label_records(path: str, lengths: dict[str, int], vocab_size: Optional[
     flag = "--label-dataset"
     try:
         records = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # unreadable, not UTF-8 or JSON, too deep or too long
         fail(f"{flag} {path}: not a readable JSON file ({first_line(error)})")
     if not isinstance(records, list):
         fail(f"{flag} {path}: expected a JSON list of label records, got {type(records).__name__}")
@@ -359,14 +373,16 @@ def read_label_records(path: str, lengths: dict[str, int], vocab_size: Optional[
                 fail(
                     f"{where}: {key!r} must be a list of {length} token ids (--task.query-length/--task.response-length)"
                 )
-        if not isinstance(record.get("best"), int) or not 0 <= record["best"] < num_samples:
-            fail(f"{where}: 'best' must be an integer in 0..{num_samples - 1}, got {record.get('best')!r}")
+        if type(record.get("best")) is not int or not 0 <= record["best"] < num_samples:  # JSON true is no pick (N20)
+            fail(f"{where}: 'best' must be an integer in 0..{num_samples - 1}, got {json.dumps(record.get('best'))}")
+    found = ((i, key, t) for i, record in enumerate(records) for key in lengths for t in record[key])
+    for index, key, token in found:  # a float, bool, string or null; or an int no token id can be (N21)
+        if type(token) is not int:
+            fail(f"{flag} {path}: record {index}: {key!r} has token id {json.dumps(token)}, not an integer")
+        if not -(2**63) <= token < 2**63:
+            fail(f"{flag} {path}: record {index}: {key!r} has token id {token}, outside any vocabulary")
     tokens = np.asarray([[t for key in lengths for t in record[key]] for record in records] or [[0]])
     keys = [key for key, length in lengths.items() for _ in range(length)]  # the record key of each column
-    if tokens.dtype.kind not in "iu":  # a float, bool, string or null somewhere: found in the records as read
-        found = ((i, key, t) for i, record in enumerate(records) for key in lengths for t in record[key])
-        index, key, token = next((where for where in found if type(where[2]) is not int), (0, "query", "?"))
-        fail(f"{flag} {path}: record {index}: {key!r} has token id {json.dumps(token)}, not an integer")
     if vocab_size is None:
         return records
     bad = ~(((tokens >= 0) & (tokens < vocab_size)) | np.isin(tokens, pad_ids))

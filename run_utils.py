@@ -168,9 +168,11 @@ SEED = ("in [0, 2**32)", lambda value: 0 <= value < 2**32)  # numpy's seeds: Ran
 RUN_RANGES = {"seed": SEED, "checkpoint_every": NON_NEGATIVE, "checkpoint_keep": COUNT, "peak_tflops": POSITIVE,
               "gpu_memory_gb": POSITIVE}  # fmt: skip
 """The tooling flags' ranges (RunArgs)."""
+TEMPERATURE = ("at least 1e-4 (a smaller one takes logits / temperature beyond float32)", lambda value: value >= 1e-4)
 TASK_RANGES = {"task.passage_rows": COUNT, "task.query_length": COUNT, "task.response_length": COUNT,
-               "task.truncate_after": NON_NEGATIVE, "task.temperature": POSITIVE}  # fmt: skip
-"""The ranges of the task flags both scripts have (logits / temperature: a temperature must be > 0)."""
+               "task.truncate_after": NON_NEGATIVE, "task.temperature": TEMPERATURE}  # fmt: skip
+"""The ranges of the task flags both scripts have (logits / temperature: a temperature must be > 0, and not so small
+that the quotient overflows: 1e-40 made every sampled probability NaN)."""
 
 
 def field_value(args, name: str):
@@ -185,8 +187,15 @@ def check_ranges(args, ranges: dict[str, tuple]) -> None:
     (None: not set, fine)."""
     for name, (expected, holds) in ranges.items():
         value = field_value(args, name)
-        if value is not None and not (math.isfinite(value) and holds(value)):
-            fail(f"--{name.replace('_', '-')} must be {expected}, got {value}")
+        if value is None:
+            continue
+        finite = isinstance(value, int) or math.isfinite(value)  # an int beyond a float's range is finite (N03)
+        big = isinstance(value, int) and not -(2**63) <= value < 2**63  # no tensor, index or float division takes it
+        shown = f"a {len(str(abs(value)))}-digit number" if isinstance(value, int) and abs(value) >= 10**30 else value
+        if not (finite and holds(value)):
+            fail(f"--{name.replace('_', '-')} must be {expected}, got {shown}")
+        if big:
+            fail(f"--{name.replace('_', '-')} must be {expected} and below 2**63, got {shown}")
 
 
 def require_package(module: str, package: str, option: str) -> None:
@@ -246,6 +255,8 @@ def check_run_args(args, ranges: dict[str, tuple]) -> None:
     and the script's own `ranges` (each script's validate_args calls it first)."""
     NOT_CHECKED.clear()
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if "ACCELERATE_DYNAMO_BACKEND" in os.environ and "WORLD_SIZE" not in os.environ and "MASTER_ADDR" in os.environ:
+        fail(LAUNCHED_ALONE)  # (also checked at the launch: check_launch) so that a --dry-run says it too (N11b)
     if args.world_size < 1:
         fail(f"WORLD_SIZE={args.world_size}: a run needs at least one process")
     check_ranges(args, {**RUN_RANGES, **TASK_RANGES, **ranges})
@@ -520,8 +531,8 @@ def import_callable(spec: str, flag: str):
         sys.path.insert(0, os.getcwd())  # as `python -m`: a module next to where the command runs
     try:
         function = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as error:
-        fail(f"{flag} {spec!r}: cannot import it ({type(error).__name__}: {error})")
+    except Exception as error:  # ImportError, AttributeError, a SyntaxError in it, whatever its import raises (N46)
+        fail(f"{flag} {spec!r}: cannot import it ({type(error).__name__}: {first_line(error)})")
     if not callable(function):
         fail(f"{flag} {spec!r}: not callable")
     return function
@@ -668,6 +679,7 @@ def check_output_dir(args, result: str, may_change: set[str], own_lock: bool = F
     others = [kind for marker, (key, kind) in RUN_KINDS.items()
               if marker != result and ((path / marker).exists() or (isinstance(saved, dict) and key in saved))]  # fmt: skip
     others += ["a quick start (quickstart.py)"] if (path / "quickstart_args.json").exists() else []
+    others += ["a model (config.json)"] if (path / "config.json").exists() and not (path / "args.json").exists() else []
     if others:
         fail(f"--output-dir {shown} holds {others[0]}: a run never writes into another's directory, not even with "
              "--overwrite; use another --output-dir")  # fmt: skip
@@ -680,8 +692,13 @@ def check_output_dir(args, result: str, may_change: set[str], own_lock: bool = F
              "to continue it, --overwrite to start again, or another --output-dir")  # fmt: skip
     if worked and args.resume:
         check_resume_args(path, args, RESUME_MAY_CHANGE | may_change, finished)
-    if worked and args.resume and args.dry_run:  # the run itself checks them as it starts (Run)
-        sound_checkpoint(sorted(path.glob("checkpoints/step-*")), lambda line: print(line, file=sys.stderr))
+    if worked and args.resume:  # the checkpoint's number of processes, before any model loads (N76)
+        newest = sound_checkpoint(sorted(path.glob("checkpoints/step-*")),
+                                  (lambda line: print(line, file=sys.stderr)) if args.dry_run else (lambda line: None))  # fmt: skip
+        written = json.loads((newest / "state.json").read_text()).get("world_size") if newest is not None else None
+        if written is not None and written != args.world_size:
+            fail(f"--resume: {newest} was written by {written} processes, this run has {args.world_size}; resume "
+                 "with the same number")  # fmt: skip
     if args.overwrite:
         check_inputs_outside(args, [path / name for name in (*RUN_LOGS, "checkpoints", result)])
     existing = next(parent for parent in (path, *path.absolute().parents) if parent.exists())
@@ -744,10 +761,20 @@ def check_resume_args(output_dir: Path, args, may_change: set[str], finished: bo
     except (OSError, ValueError, AttributeError) as error:
         fail(f"--resume: {saved_path} is not a run's args.json ({first_line(error)}); start again with --overwrite")
     current = flat_dict(json.loads(json.dumps(asdict(args))))
-    changed = sorted(key for key in current if key not in may_change and not same_value(saved.get(key), current[key]))
+    derived = derived_fields(type(args))  # sizes computed from the flags: the flags that differ are named (N45)
+    changed = sorted(key for key in current if key not in may_change | derived
+                     and not same_value(saved.get(key), current[key]))  # fmt: skip
     if changed:
         again = "; the run finished: --overwrite trains it again with the new flags" if finished else ""
         fail(f"--resume: {', '.join('--' + key.replace('_', '-') for key in changed)} differ from {saved_path}{again}")
+
+
+def derived_fields(config_class) -> set[str]:
+    """The fields hidden from --help (tyro.conf.Suppress: world_size, local sizes, num_updates): no flag sets them."""
+    import typing
+
+    hints = typing.get_type_hints(config_class, include_extras=True)
+    return {name for name, hint in hints.items() if "Suppress" in repr(hint)}
 
 
 def same_value(saved, current) -> bool:
@@ -786,21 +813,25 @@ ZERO3_REFUSED = ("DeepSpeed ZeRO-3 partitions every weight, and the scripts read
                  " or no DeepSpeed")  # fmt: skip
 
 
+LAUNCH_FIX = ("add --multi_gpu to `accelerate launch` (implied only with several GPUs per machine) or a --config_file "
+              "that sets distributed_type; without GPUs, ACCELERATE_USE_CPU=true")  # fmt: skip
+LAUNCHED_ALONE = (f"`accelerate launch` was given several machines or processes (MASTER_ADDR is set) but started this "
+                  f"process alone: {LAUNCH_FIX} (for one process, run the script with python)")  # fmt: skip
+
+
 def check_launch(accelerator, args) -> None:
     """The processes form the run they were launched as, and a DeepSpeed engine keeps OpenAI's math: fp32 weights, no
     gradient clipping (an absent or "auto" value is DeepSpeed's 1.0). DeepSpeed is also given the micro-batch size,
     which accelerate otherwise reads from a prepared dataloader (the scripts prepare none), and ZeRO-2 buckets of
     memory_estimate.ZERO_BUCKET_VALUES where its config sets none. ZeRO-3 is refused."""
-    fix = ("add --multi_gpu to `accelerate launch` (implied only with several GPUs per machine) or a --config_file "
-           "that sets distributed_type; without GPUs, ACCELERATE_USE_CPU=true")  # fmt: skip
+    fix = LAUNCH_FIX
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if accelerator.num_processes != launched:
         fail(f"launched as {launched} processes (WORLD_SIZE) but each runs in a group of "
              f"{accelerator.num_processes}: {fix}")  # fmt: skip
     # accelerate's one-process launcher sets a rendezvous address only for --num_machines / --num_processes > 1
     if "ACCELERATE_DYNAMO_BACKEND" in os.environ and "WORLD_SIZE" not in os.environ and "MASTER_ADDR" in os.environ:
-        fail(f"`accelerate launch` was given several machines or processes (MASTER_ADDR is set) but started this "
-             f"process alone: {fix} (for one process, run the script with python)")  # fmt: skip
+        fail(LAUNCHED_ALONE)
     backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper()  # accelerate's TorchDynamoPlugin reads it
     if backend != "NO":
         fail(f"the accelerate config sets dynamo_backend {backend}: accelerate would compile the whole prepared model, "

@@ -425,7 +425,7 @@ class QueryStream:
             rows = list(itertools.islice(self.source, self.chunk))
             if not rows:  # the end of an epoch
                 if self.produced == 0:
-                    run_utils.fail(f"--task.query-dataset {self.task.query_dataset!r}: no text yields a query")
+                    run_utils.fail(rlhf_data.no_query_message(self.task))
                 self.epoch, self.used, self.produced = self.epoch + 1, 0, 0
                 self.source = self.texts.epoch(self.epoch, self.seed, self.rank, self.world_size)
                 continue
@@ -1052,6 +1052,8 @@ def function_scores(option: str, scores, n: int, device, dtype=torch.float32) ->
         run_utils.fail(f"{option}: returned scores that are not numbers ({error})")
     if scores.shape != (n,):
         run_utils.fail(f"{option}: returned {tuple(scores.shape)} scores for {n} responses")
+    if not torch.isfinite(scores).all():  # (N48) here, not as non-finite metrics after an update
+        run_utils.fail(f"{option}: returned a score that is not a finite number ({scores[~torch.isfinite(scores)][0]})")
     return scores
 
 
@@ -1093,8 +1095,8 @@ def call_with_fields(function, queries: list[str], responses: list[str], fields:
 
 def check_reward_function(spec: str, flag: str, texts) -> None:
     """A reward function (--rewards.function, --task.gold-labeler), checked before any model loads: it imports, the
-    query dataset has the columns it asks for (which the query stream then carries with each text), and it scores a
-    probe pair with the first text's fields as one number."""
+    query dataset has the columns it asks for (which the query stream then carries with each text), and it scores two
+    probe pairs, the first texts with their fields, as one finite number each."""
     function, option = reward_callable(spec, flag), f"{flag} {spec}"
     names = function_fields(function, [] if texts is None else texts.columns, option)
     if texts is None and names:  # a --dry-run of a Hub dataset: its columns are not known yet
@@ -1102,9 +1104,11 @@ def check_reward_function(spec: str, flag: str, texts) -> None:
         return
     if texts is not None:
         texts.carry(names, option)
-    probe = {name: values for name, values in texts.fields([0]).items() if name in names} if names else {}
-    query = [texts[0] if texts is not None else "A probe query."]  # the first text, with its own fields
-    function_scores(option, call_with_fields(function, query, ["A probe response."], probe), 1, "cpu")
+    rows = [0, 1] if texts is not None and len(texts) > 1 else [0, 0]  # two pairs: one score each (N49)
+    probe = {name: values for name, values in texts.fields(rows).items() if name in names} if names else {}
+    queries = [texts[row] for row in rows] if texts is not None else ["A probe query."] * 2  # with their own fields
+    responses = ["A probe response.", "Another probe response."]
+    function_scores(option, call_with_fields(function, queries, responses, probe), 2, "cpu")
 
 
 def append_stats(stats: dict, new: dict) -> None:

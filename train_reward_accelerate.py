@@ -369,7 +369,7 @@ class QueryStream:
             rows = list(itertools.islice(self.source, self.chunk))
             if not rows:  # the end of an epoch
                 if self.produced == 0:
-                    run_utils.fail(f"--task.query-dataset {self.task.query_dataset!r}: no text yields a query")
+                    run_utils.fail(rlhf_data.no_query_message(self.task))
                 self.epoch, self.used, self.produced = self.epoch + 1, 0, 0
                 self.source = self.texts.epoch(self.epoch, self.seed, self.rank, self.world_size)
                 continue
@@ -707,6 +707,10 @@ def validate_args(args: Args) -> Args:
     args.num_updates = args.labels.num_train // args.batch_size
     if not 0 <= args.task.truncate_after < args.task.response_length:
         run_utils.fail("--task.truncate-after must be >= 0 and < --task.response-length")
+    per_normalization = -(-args.normalize_samples // args.rollout_batch_size) * args.rollout_batch_size  # ceil
+    if (args.normalize_before or args.normalize_after) and per_normalization < 2:  # one sample has no spread (N10)
+        run_utils.fail(f"--normalize-samples {args.normalize_samples} with --rollout-batch-size {args.rollout_batch_size}"
+                       f": a normalization of {per_normalization} sample has no std; raise --normalize-samples")  # fmt: skip
     if args.labels.source != "file":
         if args.labels.simulated_num_test < args.batch_size:
             run_utils.fail("--labels.simulated-num-test must hold at least one --batch-size of records")
@@ -734,6 +738,8 @@ def read_inputs(args: Args):
     else:
         run_utils.NOT_CHECKED.append("what needs --base-model's tokenizer: --task.truncate-token, the lengths against "
                                      "its positions, the label file's token ids, that the query texts yield queries")  # fmt: skip
+    if args.labels.source == "file" and os.path.isdir(args.label_dataset):  # not a Hub name (N24)
+        run_utils.fail(f"--label-dataset {args.label_dataset!r}: a directory, not a label file")
     if args.labels.source == "file" and run_utils.available(
         args.label_dataset, "--label-dataset", dry_run, local=os.path.isfile(args.label_dataset) or local_labels
     ):
@@ -756,6 +762,11 @@ def load_labels(path: str, tokenizer, args: Args) -> Optional[dict[str, torch.Te
     lengths = {"query": args.task.query_length, **{f"sample{i}": args.task.response_length for i in range(NUM_SAMPLES)}}
     pad_ids = (OPENAI_PAD_ID,) if tokenizer is None else (OPENAI_PAD_ID, tokenizer.pad_token_id)
     records = rlhf_data.read_label_records(path, lengths, vocab_size, pad_ids, NUM_SAMPLES)
+    held_out = {json.dumps(record, sort_keys=True) for record in records[args.labels.num_train :]}
+    repeated = len(held_out & {json.dumps(record, sort_keys=True) for record in records[: args.labels.num_train]})
+    if repeated:  # (N19) not refused: a user's file; but test/accuracy would partly measure training records
+        run_utils.console.print(f"--label-dataset {path}: {repeated} held-out records (past --labels.num-train) repeat "
+                                "training records: test/accuracy measures those on what was trained", markup=False)  # fmt: skip
     if len(records) < args.labels.num_train:  # OAI reads num_train records; the held-out rest is ours
         run_utils.fail(
             f"--label-dataset {path}: {len(records)} records, fewer than --labels.num-train {args.labels.num_train}"

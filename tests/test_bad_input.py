@@ -73,7 +73,15 @@ LABEL_FILES = {
     "wrong length": lambda path: path.write_text(json.dumps([label_record(query_length=10)] * 40)),
     "ids out of vocabulary": lambda path: path.write_text(json.dumps([label_record(sample2=[70000] * 24)] * 40)),
     "too few records": lambda path: path.write_text(json.dumps([label_record()] * 5)),
+    # N20: JSON true is a bool, which Python counts as an int: it trained as label 1
+    "best true": lambda path: path.write_text(json.dumps([label_record()] * 3 + [label_record(best=True)] * 37)),
+    # N21: an int beyond int64 turned the token array to objects, and the record was reported as 0, the id as "?"
+    "token id 10**20": lambda path: path.write_text(
+        json.dumps([label_record()] * 5 + [label_record(sample2=[262] * 3 + [10**20] + [262] * 20)] * 35)
+    ),
 }
+LABEL_FILE_WORDS = {"best true": "record 3: 'best' must be an integer in 0..3, got true",
+                    "token id 10**20": "record 5: 'sample2' has token id 100000000000000000000, outside any vocabulary"}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", LABEL_FILES, ids=list(LABEL_FILES))
@@ -82,7 +90,8 @@ def test_bad_label_files(reward_base, tmp_path, case):
     LABEL_FILES[case](labels)
     start = time.time()
     result = run_in_process(REWARD, *reward_base(labels))
-    check_one_line_error(result, "--label-dataset", str(labels))
+    check_one_line_error(result, "--label-dataset", str(labels), *([LABEL_FILE_WORDS[case]] if case in LABEL_FILE_WORDS
+                                                                    else []))  # fmt: skip
     assert time.time() - start < FAST and not (tmp_path / "out").exists()
 
 
@@ -465,8 +474,26 @@ def test_every_numeric_flag_has_a_range(script):
 
 
 RANGE_CASES = [
-    (POLICY, ["--task.temperature", "0"], "--task.temperature must be positive, got 0.0"),  # F5
-    (REWARD, ["--task.temperature", "-0.7"], "--task.temperature must be positive, got -0.7"),  # F6
+    (
+        POLICY,
+        ["--task.temperature", "0"],
+        "--task.temperature must be at least 1e-4 (a smaller one takes logits / temperature beyond float32), got 0.0",
+    ),  # F5
+    (
+        REWARD,
+        ["--task.temperature", "-0.7"],
+        "--task.temperature must be at least 1e-4 (a smaller one takes logits / temperature beyond float32), got -0.7",
+    ),  # F6
+    (
+        POLICY,
+        ["--task.temperature", "1e-40"],
+        "--task.temperature must be at least 1e-4 (a smaller one takes logits / temperature beyond float32), got 1e-40",
+    ),  # N05: every sampled probability was NaN, the flag never named
+    (
+        POLICY,
+        ["--ppo.total-episodes", "-" + "1" * 400],
+        "--ppo.total-episodes must be positive, got a 400-digit number",
+    ),  # N03
     (POLICY, ["--rewards.kl-coef", "-0.5"], "--rewards.kl-coef must be >= 0, got -0.5"),  # F9
     (POLICY, ["--ppo.gradient-accumulation-steps", "0"], "--ppo.gradient-accumulation-steps must be positive, got 0"),
     (REWARD, ["--gradient-accumulation-steps", "0"], "--gradient-accumulation-steps must be positive, got 0"),  # F10
@@ -782,3 +809,256 @@ def test_a_base_model_whose_weights_do_not_fit_its_config_is_refused_before_any_
             "wte.weight is [404, 64] in the weights, [404, 128] in the model",
         )
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the second review's other cases (../notes: bad-inputs-review-2.md's numbers), each refused in one line now
+
+
+def write_module(directory: Path, name: str, source: str, monkeypatch) -> str:
+    (directory / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(directory))
+    return f"{name}:score"
+
+
+@pytest.mark.parametrize(
+    "source, words",
+    [
+        ("def score(queries, responses)\n    return [0.0]\n", "cannot import it (SyntaxError: "),  # N46
+        ("raise RuntimeError('no GPU here')\n", "cannot import it (RuntimeError: no GPU here)"),
+        (
+            "def score(queries, responses):\n    return [float('nan')] * len(responses)\n",
+            "returned a score that is not a finite number (nan)",
+        ),  # N48: the probe took NaN; a late stop
+        ("def score(queries, responses):\n    return [1.0]\n", "returned (1,) scores for 2 responses"),  # N49
+    ],
+    ids=["syntax error", "raises on import", "NaN", "one score"],
+)
+def test_a_reward_module_that_cannot_score_is_one_line_at_the_dry_run(tiny_assets, tmp_path, monkeypatch, source,
+                                                                      words):  # fmt: skip
+    spec = write_module(tmp_path, f"rewards_{abs(hash(source))}", source, monkeypatch)
+    flags = ["--base-model", str(tiny_assets["model"]), "--rewards.function", spec, "--task.query-dataset",
+             str(tiny_assets["corpus"]), "--output-dir", str(tmp_path / "out"), "--dry-run"]  # fmt: skip
+    check_one_line_error(run_in_process(POLICY, *flags), f"--rewards.function {spec}" if "import" not in words
+                         else f"--rewards.function {spec!r}", words)  # fmt: skip
+
+
+def test_one_normalization_sample_is_refused_naming_both_flags(reward_base, tmp_path):
+    """N10: the reward's mean and std from one sample: after the models loaded, the model was blamed."""
+    flags = reward_base(tiny_label_file(tmp_path), "--rollout-batch-size", "1", "--normalize-samples", "1", "--dry-run")
+    check_one_line_error(run_in_process(REWARD, *flags), "--normalize-samples 1 with --rollout-batch-size 1",
+                         "no std")  # fmt: skip
+
+
+def tiny_label_file(tmp_path: Path, records: list | None = None) -> Path:
+    path = tmp_path / "labels.json"
+    path.write_text(json.dumps(records or [label_record()] * 40))
+    return path
+
+
+def test_a_directory_as_label_file_is_one_line_not_a_hub_input(reward_base, tmp_path):
+    """N24: the dry run listed a local directory as a Hub input and exited 0."""
+    (tmp_path / "labels").mkdir()
+    check_one_line_error(run_in_process(REWARD, *reward_base(tmp_path / "labels", "--dry-run")),
+                         f"--label-dataset '{tmp_path / 'labels'}': a directory, not a label file")  # fmt: skip
+
+
+def test_held_out_labels_that_repeat_training_labels_are_said(reward_base, tmp_path, capsys):
+    """N19: held-out records that copy training records were accepted silently: test/accuracy would measure training
+    records. Said now (the file is the user's: not refused)."""
+    samples = {f"sample{j}": [20 + j] * 24 for j in range(4)}  # ids of the tiny vocabulary (404 tokens)
+    records = [label_record(query=[10 + i] + [11] * 63, **samples) for i in range(16)]
+    result = run_in_process(REWARD, *reward_base(tiny_label_file(tmp_path, records + records[:8]), "--dry-run"))
+    assert result.returncode == 0, result.stderr
+    assert "8 held-out records (past --labels.num-train) repeat training records" in " ".join(
+        capsys.readouterr().out.split()
+    )
+
+
+def test_query_files_a_bom_and_a_csv(tmp_path):
+    """N26: a .txt's byte-order mark stayed in its first text; N31: a .csv was read as lines, its header a query."""
+    import rlhf_data
+
+    (tmp_path / "q.txt").write_text("\ufeffThe first text.\nThe second.\n", encoding="utf-8")
+    assert rlhf_data.QueryTexts(str(tmp_path / "q.txt"), None, "text")[0] == "The first text."
+    (tmp_path / "q.csv").write_text('text,label\n"A review.",1\n')
+    with pytest.raises(SystemExit, match=r"^error: --task.query-dataset '.*q.csv': a local file is a .txt"):
+        rlhf_data.QueryTexts(str(tmp_path / "q.csv"), None, "text")
+
+
+def test_a_model_directory_as_output_dir_is_refused(tiny_assets, tmp_path):
+    """N34: a policy run was written into the reward model's directory (nothing lost, but a model directory then held
+    a run)."""
+    flags = ["--base-model", str(tiny_assets["model"]), "--rewards.function", "sentiment", "--task.query-dataset",
+             str(tiny_assets["corpus"]), "--output-dir", str(tiny_assets["model"]), "--dry-run"]  # fmt: skip
+    check_one_line_error(run_in_process(POLICY, *flags), "holds a model (config.json)", "use another --output-dir")
+
+
+def finished_policy_checkpoint(tiny_assets, tmp_path, world_size: int) -> tuple[Path, list[str]]:
+    """An output directory as a run left it after update 1, written by `world_size` processes, and its flags."""
+    import torch
+
+    import train_policy_accelerate as P
+
+    output_dir = tmp_path / "out"
+    flags = ["--base-model", str(tiny_assets["model"]), "--rewards.function", "sentiment", "--task.query-dataset",
+             str(tiny_assets["corpus"]), "--output-dir", str(output_dir), "--ppo.total-episodes", "32",
+             "--ppo.batch-size", "16", "--ppo.whitening-ranks", "2"]  # fmt: skip
+    args = P.validate_args(run_utils.task_cli(P.task_defaults, flags))
+    checkpoint = output_dir / "checkpoints" / "step-00000001"
+    checkpoint.mkdir(parents=True)
+    (output_dir / "args.json").write_text(json.dumps(asdict(args)))
+    (output_dir / "metrics.jsonl").write_text('{"update": 1}\n')
+    state = {"format": run_utils.CHECKPOINT_FORMAT, "step": 1, "world_size": world_size, "elapsed": 1.0,
+             "kl_coef": 0.15, "processes": [{}] * world_size}  # fmt: skip
+    (checkpoint / "state.json").write_text(json.dumps(state))
+    torch.save({"x": torch.zeros(1)}, checkpoint / "pytorch_model.bin")
+    return output_dir, flags
+
+
+def test_resume_on_another_number_of_processes_is_refused_at_the_dry_run(tiny_assets, tmp_path, monkeypatch):
+    """N76: a 1-process checkpoint resumed on 2 processes passed the dry run and was refused after the models loaded."""
+    output_dir, flags = finished_policy_checkpoint(tiny_assets, tmp_path, world_size=1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    last = check_one_line_error(run_in_process(POLICY, *flags, "--resume", "--dry-run"), "--resume",
+                                "written by 1 processes, this run has 2")  # fmt: skip
+    assert "resume with the same number" in last
+
+
+def test_resume_names_the_flags_that_differ_not_the_sizes_derived_from_them(tiny_assets, tmp_path):
+    """N45: --resume with another --ppo.total-episodes also named --num-updates, which is no flag."""
+    output_dir, flags = finished_policy_checkpoint(tiny_assets, tmp_path, world_size=1)
+    flags[flags.index("--ppo.total-episodes") + 1] = "64"
+    last = check_one_line_error(run_in_process(POLICY, *flags, "--resume", "--dry-run"), "--ppo.total-episodes differ")
+    assert "num-updates" not in last
+
+
+def test_accelerate_launch_of_several_processes_that_started_one_fails_the_dry_run(tiny_assets, tmp_path, monkeypatch):
+    """N11b: `accelerate launch --num_processes 2` without --multi_gpu ran the dry run as 1 process, then the run was
+    refused (with accelerate's traceback)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "NO")
+    flags = ["--base-model", str(tiny_assets["model"]), "--rewards.function", "sentiment", "--task.query-dataset",
+             str(tiny_assets["corpus"]), "--output-dir", str(tmp_path / "out"), "--dry-run"]  # fmt: skip
+    check_one_line_error(run_in_process(POLICY, *flags), "started this process alone", "--multi_gpu")
+
+
+def test_no_query_names_the_flags_that_cut_the_texts(tiny_assets, tmp_path):
+    """N06: `--task.query-length 1` with the books tasks' start and end text blamed the query file alone."""
+    flags = ["--base-model", str(tiny_assets["model"]), "--rewards.function", "sentiment", "--task.query-dataset",
+             str(tiny_assets["corpus"]), "--task.query-length", "1", "--output-dir", str(tmp_path / "out"), "--dry-run"]  # fmt: skip
+    check_one_line_error(run_in_process(POLICY, *flags), "no text yields a query", "--task.query-length 1",
+                         "--task.start-text '.'", "--task.end-text '.'")  # fmt: skip
+
+
+def test_quickstart_output_dir_that_is_a_file_is_one_line(tmp_path, capsys):
+    """N55: the error named the quick start's internal `.input-check` path inside the file."""
+    import quickstart
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit):
+        quickstart.main(["--output-dir", str(tmp_path / "file"), "--dry-run"])
+    assert capsys.readouterr().err.strip().startswith(f"quickstart: --output-dir {tmp_path / 'file'}: a file, not a")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the checks themselves cannot crash: extreme values in every numeric flag, malformed files in every reader
+
+EXTREME_FLOATS = [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 5e-324, -5e-324, 1e308, -1e308, 10**400]
+EXTREME_INTS = [0, -1, 2**63, -(2**63) - 1, 10**400, -(10**400)]
+
+
+def numeric_fields_and_types(args, prefix: str = "") -> list[tuple[str, type]]:
+    """Every int and float field of a script's Args (nested ones too), not bools, as (dotted path, type)."""
+    import dataclasses
+    import typing
+
+    fields = []
+    hints = typing.get_type_hints(type(args))
+    for field in dataclasses.fields(args):
+        value = getattr(args, field.name)
+        if dataclasses.is_dataclass(value):
+            fields += numeric_fields_and_types(value, f"{prefix}{field.name}.")
+        elif field.name not in run_utils.derived_fields(type(args)):
+            kind = typing.get_args(hints[field.name]) or (hints[field.name],)
+            for base in (int, float):
+                if base in kind:
+                    fields.append((prefix + field.name, base))
+    return fields
+
+
+@pytest.mark.parametrize("script", [REWARD, POLICY])
+def test_extreme_numbers_in_every_numeric_flag_are_checked_or_accepted_never_a_traceback(script, monkeypatch):
+    """Each numeric flag given NaN, infinities, zeros, subnormals and integers beyond any machine type (set on the
+    parsed flags, as a config or a shell variable could give them): validate_args accepts the value or refuses it in
+    one line naming the flag; no exception of its own (N03 was an OverflowError)."""
+    module = importlib.import_module(script.removesuffix(".py"))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    base = ["--rewards.function", "sentiment"] if script == POLICY else []
+    defaults = run_utils.task_cli(module.task_defaults, base)
+    fields = numeric_fields_and_types(defaults)
+    assert len(fields) > 20 and ("task.temperature", float) in fields
+    refused = 0
+    for name, kind in fields:
+        for value in EXTREME_INTS if kind is int else EXTREME_FLOATS:
+            args = run_utils.replace_fields(run_utils.task_cli(module.task_defaults, base), {name: value})
+            try:
+                module.validate_args(args)
+            except SystemExit as stop:
+                message = str(stop.code)
+                assert message.startswith("error: ") and "\n" not in message, (name, value, message)
+                refused += 1
+            except Exception as error:  # the check itself broke
+                raise AssertionError(f"--{name} {value!r}: {type(error).__name__}: {error}") from error
+    assert refused > len(fields)  # most extremes are refused, each in one line
+
+
+MALFORMED = [b"", b"\x00\xff\xfe binary", b"[" * 2000, b'{"text": ' + b"9" * 5000 + b"}", b'[{"text": 1e999}]',
+             b'{"text": "\\ud800"}\n', b'[{"text": "a"}, 3]', b'{"text": ["nested", {"deep": []}]}\n', b"\xef\xbb\xbf",
+             b'{"text": "fine"}\n{"text": "fine"\n', b"null", b'"just a string"', b"1e400", b'{"text": null}\n']  # fmt: skip
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".json", ".jsonl"])
+def test_malformed_query_files_are_read_or_refused_in_one_line(tmp_path, suffix):
+    """Random bytes, deep nesting, huge numbers, lone surrogates, wrong types: QueryTexts reads the file or refuses it
+    in one line naming it, whatever the content (the seeded random cuts of a good file too)."""
+    import random
+
+    import rlhf_data
+
+    good = "".join(json.dumps({"text": f"Text number {i}.", "answer": i}) + "\n" for i in range(20)).encode()
+    rng = random.Random(0)
+    contents = MALFORMED + [good[: rng.randrange(len(good))] for _ in range(10)] + [rng.randbytes(64) for _ in range(5)]
+    for content in contents:
+        path = tmp_path / f"queries{suffix}"
+        path.write_bytes(content)
+        try:
+            texts = rlhf_data.QueryTexts(str(path), None, "text")
+            [texts[i] for i in range(len(texts))]
+        except SystemExit as stop:
+            message = str(stop.code)
+            assert message.startswith("error: --task.query-dataset") and "\n" not in message, (content[:40], message)
+        except Exception as error:
+            raise AssertionError(f"{content[:40]!r}: {type(error).__name__}: {error}") from error
+
+
+def test_malformed_label_files_are_read_or_refused_in_one_line(tmp_path):
+    """The label reader on the same malformed contents and on records with every field of a wrong type."""
+    import rlhf_data
+
+    lengths = {"query": 4, **{f"sample{i}": 2 for i in range(4)}}
+    good = {"query": [1, 2, 3, 4], **{f"sample{i}": [5, 6] for i in range(4)}, "best": 0}
+    wrong = [None, True, 1.5, "1", [], {}, -1, 10**30, [None] * 4, [1e999] * 4, [True] * 4, [[1]] * 4]
+    records = [{**good, key: value} for key in good for value in wrong]
+    contents = MALFORMED + [json.dumps([record] * 3).encode() for record in records]
+    for content in contents:
+        path = tmp_path / "labels.json"
+        path.write_bytes(content)
+        try:
+            rlhf_data.read_label_records(str(path), lengths, 100, (50259,), 4)
+        except SystemExit as stop:
+            message = str(stop.code)
+            assert message.startswith("error: --label-dataset") and "\n" not in message, (content[:60], message)
+        except Exception as error:
+            raise AssertionError(f"{content[:60]!r}: {type(error).__name__}: {error}") from error
