@@ -296,6 +296,16 @@ def check_source(value: str, flag: str, fetch: bool = True) -> None:
         validate_repo_id(value)
     except HFValidationError:
         fail(f"{flag} {value!r}: no such file or directory")
+    owner = value.split("/")[0]
+    if "/" in value and os.path.isdir(owner):  # (A8) "models/smollm2" with a local models/: a mistyped path
+        fail(f"{flag} {value!r}: no such directory in {owner}/ (a local directory of that name is here; a Hub id "
+             f"{value!r} would be a repo of the user {owner!r})")  # fmt: skip
+    if flag in ("--base-model", "--rewards.trained-model") and hub_offline():  # (N36) offline: it must be cached
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(value, "config.json"), str):
+            fail(f"{flag} {value!r}: not in the Hugging Face cache and HF_HUB_OFFLINE=1; pass a local directory, or "
+                 "download it once with the Hub reachable")  # fmt: skip
     if fetch and not hub_offline() and not hub_is_reachable():
         fail(
             f"{flag} {value!r} is not a local path and the Hugging Face Hub is unreachable: pass a local path to {flag}"

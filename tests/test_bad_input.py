@@ -411,9 +411,11 @@ def test_quickstart_says_a_damaged_record_of_its_flags_is_damaged(tmp_path):
     ],
     ids=["reward-model", "reward-function", "query-file", "label-file"],
 )
-def test_a_dry_run_with_a_hub_base_model_checks_the_local_inputs(tmp_path, script, flags, words):
+def test_a_dry_run_with_a_hub_base_model_checks_the_local_inputs(tmp_path, script, flags, words, monkeypatch):
     """A1-A4: a dry run with a Hub name for --base-model returned before it looked at the reward model,
-    --rewards.function, the query file or the label file."""
+    --rewards.function, the query file or the label file. (Online, as a user's machine is: offline, an uncached Hub
+    model is refused at once, test_an_uncached_hub_model_under_hf_hub_offline_fails_the_dry_run.)"""
+    monkeypatch.setattr(run_utils, "hub_offline", lambda: False)  # the dry run fetches nothing either way
     (tmp_path / "queries.jsonl").write_text('{"text": "A fine day."}\n{"txt": "x"}\n')
     (tmp_path / "labels.json").write_text(json.dumps([label_record()] * 4)[:-30])
     paths = {"QUERIES": str(tmp_path / "queries.jsonl"), "LABELS": str(tmp_path / "labels.json")}
@@ -422,9 +424,11 @@ def test_a_dry_run_with_a_hub_base_model_checks_the_local_inputs(tmp_path, scrip
     check_one_line_error(result, *words)
 
 
-def test_a_dry_run_names_what_needs_the_hub_base_models_tokenizer(tiny_assets, tmp_path, capsys):
+def test_a_dry_run_names_what_needs_the_hub_base_models_tokenizer(tiny_assets, tmp_path, capsys, monkeypatch):
     """A5: a reward model of another tokenizer can't be told without --base-model's tokenizer: the dry run says so."""
     import train_policy_accelerate as P
+
+    monkeypatch.setattr(run_utils, "hub_offline", lambda: False)  # online, as a user's machine is
 
     flags = ["--base-model", "gpt2", "--rewards.trained-model", str(make_fake_reward_model(tiny_assets, tmp_path)),
              "--task.query-dataset", str(tiny_assets["corpus"]), "--output-dir", str(tmp_path / "out"), "--dry-run"]  # fmt: skip
@@ -1062,3 +1066,21 @@ def test_malformed_label_files_are_read_or_refused_in_one_line(tmp_path):
             assert message.startswith("error: --label-dataset") and "\n" not in message, (content[:60], message)
         except Exception as error:
             raise AssertionError(f"{content[:60]!r}: {type(error).__name__}: {error}") from error
+
+
+def test_an_uncached_hub_model_under_hf_hub_offline_fails_the_dry_run(tiny_assets, tmp_path):
+    """N36: HF_HUB_OFFLINE=1 with a Hub base model the cache lacks: the dry run listed it as not checked and exited 0,
+    then the run failed. (The tests run with HF_HUB_OFFLINE=1 and an empty cache for `gpt2`-like ids.)"""
+    flags = ["--base-model", "someone/no-such-model", "--rewards.function", "sentiment", "--task.query-dataset",
+             str(tiny_assets["corpus"]), "--output-dir", str(tmp_path / "out"), "--dry-run"]  # fmt: skip
+    check_one_line_error(run_in_process(POLICY, *flags), "--base-model 'someone/no-such-model': not in the Hugging "
+                         "Face cache and HF_HUB_OFFLINE=1")  # fmt: skip
+
+
+def test_a_mistyped_local_path_is_not_taken_for_a_hub_id(tiny_assets, tmp_path, monkeypatch):
+    """A8: `--base-model models/smollm2` with a local models/ and no smollm2 in it: the dry run called it a Hub input."""
+    (tmp_path / "models").mkdir()
+    monkeypatch.chdir(tmp_path)
+    flags = ["--base-model", "models/smollm2", "--rewards.function", "sentiment", "--task.query-dataset",
+             str(tiny_assets["corpus"]), "--output-dir", str(tmp_path / "out"), "--dry-run"]  # fmt: skip
+    check_one_line_error(run_in_process(POLICY, *flags), "--base-model 'models/smollm2': no such directory in models/")

@@ -237,6 +237,7 @@ def test_the_default_label_file_under_hf_hub_offline_is_a_one_line_error(tiny_as
 
 def test_a_dry_run_with_hub_inputs_fetches_nothing_and_says_what_it_did_not_check(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(run_utils, "hub_offline", lambda: False)  # online, as a user's machine is (none is fetched)
     R.main(tyro.cli(R.Args, args=["--dry-run"]))
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["dry_run"] == "ok" and report["not_checked"] == [
