@@ -478,7 +478,11 @@ def first_failure(output: str) -> Optional[dict]:
     test = re.search(r"^(FAILED|ERROR) (\S+)", output, re.MULTILINE)
     if not test:
         return None
-    section = re.search(r"^_{3,} (?:ERROR .*?)?\S+ _{3,}\n(.*?)(?=^_{3,} |^={3,})", output, re.MULTILINE | re.DOTALL)
+    # its report's header: pytest centres the name in a rule of 80 columns, so a name of 73 or more characters gets
+    # one or two underscores a side (and "ERROR at setup of NAME" for a fixture's failure)
+    name = test.group(2).split("::")[-1]
+    header = rf"^_+ (?:ERROR at \w+ of )?(?:\S+\.)?{re.escape(name)} _+\n"
+    section = re.search(header + r"(.*?)(?=^_+ \S.* _+\n|^={3,})", output, re.MULTILINE | re.DOTALL)
     text = section.group(1) if section else ""
     lines = text.strip().splitlines()
     errors = [line[1:].strip() for line in lines if line.startswith("E ")]
@@ -517,6 +521,8 @@ def outcome(found: Optional[dict]) -> Optional[dict]:
     if exception or setup_error:
         what = f"{exception.group(1)}: {exception.group(2)}" if exception else found["assertion"]
         return {**found, "kind": "broken", "assertion": f"the test's code failed: {what}"[:240]}
+    if not section.strip():  # no report of the test could be read: nothing says it compared anything (issue 66)
+        return {**found, "kind": "unknown", "assertion": "its failure report could not be read"}
     return {**found, "kind": "caught", "by": "comparison"}
 
 
@@ -557,8 +563,8 @@ def verdict(row: dict, mutation: Mutation) -> tuple[str, str]:
     if failure is None:
         return ("not caught", mutation.equivalent) if mutation.equivalent else ("**survived**", "")
     where = f"`{failure['test']}`: {shorten(failure['assertion'])}"
-    if failure.get("kind", "caught") == "broken":
-        return "**broken**", where
+    if failure.get("kind", "caught") in ("broken", "unknown"):
+        return f"**{failure['kind']}**", where
     if row["caught_by_comparison"] is None:
         return "the suite", where
     return ("a call-site check" if failure.get("by") == "call site" else "the comparison"), where
