@@ -1259,7 +1259,8 @@ def held_out_queries(texts, tokenizer, task: TaskHParams, n: int):
 class GoldEvaluation:
     """--task.gold-labeler: the held-out queries (`texts`, those read for them, are kept out of training), sampled
     with the same seed at update 0 (the pretrained policy, the "before" point), every --eval-every updates and at the
-    end; the learned reward model's score (eval/rm_score, penalty applied) next to the simulated labeler's
+    end (every process samples them all, so that the samples are the same on any number of processes, and scores its
+    share); the learned reward model's score (eval/rm_score, penalty applied) next to the simulated labeler's
     (eval/gold_score) on the post-processed text, and the KL. Every sample goes to eval_samples.jsonl. Without
     --task.gold-labeler it holds nothing out and does nothing."""
 
@@ -1299,18 +1300,20 @@ class GoldEvaluation:
         args, task, tokenizer, accelerator = self.args, self.args.task, self.tokenizer, self.accelerator
         policy, ref_lm, reward_model = self.models
         rows, samples = slice(accelerator.process_index, None, accelerator.num_processes), args.eval_samples_per_query
-        queries, contexts = (x[rows].to(accelerator.device) for x in (self.queries, self.contexts))
-        queries, pad_id = queries.repeat_interleave(samples, 0), tokenizer.pad_token_id
+        queries = self.queries[rows].to(accelerator.device).repeat_interleave(samples, 0)  # this process's share
+        contexts, pad_id = self.contexts.to(accelerator.device), tokenizer.pad_token_id
         fields = {
             name: [value for value in values[rows] for _ in range(samples)] for name, values in self.fields.items()
         }
         stop = (self.truncate_token_id, task.truncate_after) if task.stop_when_ended else None
         with accelerator.autocast():
             devices = [accelerator.device] if accelerator.device.type == "cuda" else []
-            with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(EVAL_SEED + accelerator.process_index)
+            with torch.random.fork_rng(devices=devices):  # every process draws for every held-out query alike: the
+                torch.manual_seed(EVAL_SEED)  # same samples on 1 or N processes; each then scores its share
                 responses = generate_responses(policy.lm, contexts, pad_id, task.response_length, task.temperature,
                                                args.local_rollout_forward_batch_size, samples, stop)  # fmt: skip
+            responses = responses.view(len(contexts), samples, -1)[rows].flatten(0, 1)  # (its queries x samples, T)
+            contexts = contexts[rows]
             query_responses = torch.cat([contexts.repeat_interleave(samples, 0), responses], 1)
             logprobs, ref_logprobs, _ = rollout_logprobs(policy, ref_lm, query_responses, contexts.shape[1], pad_id,
                                                          self.scale, args.micro_batch_size)  # fmt: skip
@@ -1325,6 +1328,7 @@ class GoldEvaluation:
         table = gather_object(
             [dict(query_index=q, query=t, response=r, gold_score=g, rm_score=s, kl=k) for q, t, r, g, s, k in columns]
         )
+        table.sort(key=lambda sample: sample["query_index"])  # the held-out order, on any number of processes
         metrics = {f"eval/{key}": float(np.mean([sample[key] for sample in table]))
                    for key in ("gold_score", "rm_score", "kl")}  # fmt: skip
         self.run.append_jsonl("eval_samples.jsonl", [dict(update=update, **sample) for sample in table])

@@ -255,7 +255,18 @@ def run_script(script: str, *flags: str, nproc: int = 1, timeout: int = 600, env
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment, cwd=REPO)
     if result.returncode != 0:
         print(result.stdout[-5000:], result.stderr[-5000:])
+    elif nproc > 1:
+        assert_processes_ran(flags, nproc)
     return result
+
+
+def assert_processes_ran(flags, nproc: int) -> None:
+    """A run launched on `nproc` processes ran on that many: its args.json (written by the run, once its processes
+    formed their group, which check_launch holds to WORLD_SIZE) says so. A launch that silently ran 1 process would
+    otherwise pass a test of 2."""
+    if "--output-dir" in flags and "--dry-run" not in flags:
+        written = json.loads((Path(flags[flags.index("--output-dir") + 1]) / "args.json").read_text())["world_size"]
+        assert written == nproc, f"launched on {nproc} processes, ran on {written}"
 
 
 def failure(result: subprocess.CompletedProcess, tail: int = 3000) -> str:

@@ -299,23 +299,50 @@ def alignment_log(tmp_path: Path) -> tuple[Path, dict]:
     return log, {"CHAT_ALIGNMENT_LOG": str(log)}
 
 
+@pytest.fixture(scope="module")
+def chat_runs(tiny_chat_assets, tmp_path_factory) -> dict[int, Path]:
+    """The tiny chat policy run on 1 and on 2 processes, with the same flags, and each run's alignment log."""
+    runs = {}
+    for nproc in (1, 2):
+        root = tmp_path_factory.mktemp(f"chat-{nproc}")
+        log, env = alignment_log(root)
+        result = run_script(POLICY, *chat_policy_flags(tiny_chat_assets, root / "run"), nproc=nproc, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[nproc] = root
+    return runs
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_chat_policy_with_fields_trains_end_to_end(tiny_chat_assets, tmp_path, nproc):
+def test_chat_policy_with_fields_trains_end_to_end(chat_runs, nproc):
     """PPO on the tiny chat model: the rollout in chunks of 4 that stop at their ends, every reward and gold-labeler
     call handed its queries' own fields (on 2 processes, each process's rows, also in the gold evaluation), responses
     that end at <|end|>, a policy saved with the chat template."""
-    log, env = alignment_log(tmp_path)
-    result = run_script(POLICY, *chat_policy_flags(tiny_chat_assets, tmp_path / "run"), nproc=nproc, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run, log = chat_runs[nproc] / "run", chat_runs[nproc] / "alignment.log"
     assert not log.exists(), log.read_text()
-    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert json.loads((run / "args.json").read_text())["world_size"] == nproc  # as many processes ran as launched
+    rows = read_jsonl(run / "metrics.jsonl")
     assert [row["update"] for row in rows] == [0, 1, 2, 3, 4] and "eval/gold_score" in rows[0]
-    samples = read_jsonl(tmp_path / "run" / "eval_samples.jsonl")
+    samples = read_jsonl(run / "eval_samples.jsonl")
     assert {row["update"] for row in samples} == {0, 2, 4} and len(samples) == 3 * 16
     assert all(row["gold_score"] in (0.0, 1.0) and row["query"].startswith("Q: ") for row in samples)
     assert all(0 < row["objective/sampled_length"] <= 16 for row in rows[1:])
     assert any(row["objective/sampled_length"] < 16 for row in rows[1:])  # sampling stopped sooner at least once
-    assert AutoTokenizer.from_pretrained(tmp_path / "run" / "policy").chat_template is not None
+    assert AutoTokenizer.from_pretrained(run / "policy").chat_template is not None
+
+
+def test_the_gold_evaluation_samples_the_same_on_1_and_2_processes(chat_runs):
+    """Update 0's held-out samples (the pretrained policy) are the same whatever the number of processes: every
+    process draws for every held-out query with the evaluation's seed, then scores its share; the rows come back in the
+    held-out order. So the "before" gold score of a 1-GPU and an 8-GPU run is one number (issue 66: it was -0.0254 on
+    1 process and -0.0351 on 2, each process drawing with its own seed)."""
+    one, two = (read_jsonl(chat_runs[n] / "run" / "eval_samples.jsonl") for n in (1, 2))
+    before = [[row for row in rows if row["update"] == 0] for rows in (one, two)]
+    keys = ("query_index", "query", "response", "gold_score", "rm_score")
+    assert [[row[key] for key in keys] for row in before[0]] == [[row[key] for key in keys] for row in before[1]]
+    assert [row["kl"] for row in before[0]] == pytest.approx([row["kl"] for row in before[1]], abs=1e-4)
+    metrics = [read_jsonl(chat_runs[n] / "run" / "metrics.jsonl")[0] for n in (1, 2)]
+    assert metrics[0]["eval/gold_score"] == metrics[1]["eval/gold_score"]
+    assert len({row["response"] for row in before[0]}) > 4  # samples that differ from one another: a real check
 
 
 def test_chat_reward_model_trains_and_the_policy_needs_the_same_template(tiny_chat_assets, tmp_path):

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from benchmark.openai import side_by_side as S
-from tests.conftest import REPO, failure, read_jsonl, run_script, script_environment
+from tests.conftest import REPO, assert_processes_ran, failure, read_jsonl, run_script, script_environment
 from tests.test_deepspeed import ZERO2_CONFIG, free_port
 from tests.test_openai_reference import side_by_side_assets
 from tests.test_resume import without_timings
@@ -64,6 +64,7 @@ def launch(how: str, arguments: list[str], log: Path) -> None:
         result = run_script("benchmark.openai.replay", *arguments, nproc=1 if how == "1 process" else 2)
     log.write_text(result.stdout + result.stderr)
     assert result.returncode == 0, f"{how}: {failure(result)}"
+    assert_processes_ran(arguments, 1 if how == "1 process" else 2)
 
 
 def trained_by_zero2(output_dir: Path) -> bool:
