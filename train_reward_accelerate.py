@@ -762,8 +762,8 @@ def load_labels(path: str, tokenizer, args: Args) -> Optional[dict[str, torch.Te
     lengths = {"query": args.task.query_length, **{f"sample{i}": args.task.response_length for i in range(NUM_SAMPLES)}}
     pad_ids = (OPENAI_PAD_ID,) if tokenizer is None else (OPENAI_PAD_ID, tokenizer.pad_token_id)
     records = rlhf_data.read_label_records(path, lengths, vocab_size, pad_ids, NUM_SAMPLES)
-    held_out = {json.dumps(record, sort_keys=True) for record in records[args.labels.num_train :]}
-    repeated = len(held_out & {json.dumps(record, sort_keys=True) for record in records[: args.labels.num_train]})
+    trained = {json.dumps(record, sort_keys=True) for record in records[: args.labels.num_train]}
+    repeated = sum(json.dumps(record, sort_keys=True) in trained for record in records[args.labels.num_train :])
     if repeated:  # (N19) not refused: a user's file; but test/accuracy would partly measure training records
         run_utils.console.print(f"--label-dataset {path}: {repeated} held-out records (past --labels.num-train) repeat "
                                 "training records: test/accuracy measures those on what was trained", markup=False)  # fmt: skip
