@@ -872,11 +872,10 @@ def test_held_out_labels_that_repeat_training_labels_are_said(reward_base, tmp_p
     records. Said now (the file is the user's: not refused)."""
     samples = {f"sample{j}": [20 + j] * 24 for j in range(4)}  # ids of the tiny vocabulary (404 tokens)
     records = [label_record(query=[10 + i] + [11] * 63, **samples) for i in range(16)]
-    result = run_in_process(REWARD, *reward_base(tiny_label_file(tmp_path, records + records[:8]), "--dry-run"))
+    result = run_in_process(REWARD, *reward_base(tiny_label_file(tmp_path, records + records[:8] * 2), "--dry-run"))
     assert result.returncode == 0, result.stderr
-    assert "8 held-out records (past --labels.num-train) repeat training records" in " ".join(
-        capsys.readouterr().out.split()
-    )
+    said = " ".join(capsys.readouterr().out.split())  # each of the 16 held-out records, not the 8 distinct ones
+    assert "16 held-out records (past --labels.num-train) repeat training records" in said
 
 
 def test_query_files_a_bom_and_a_csv(tmp_path):
