@@ -249,6 +249,18 @@ def script_environment(nproc: int = 1, env=None) -> dict:
     return {key: value for key, value in environment.items() if value is not None}
 
 
+def unreachable_hub() -> dict:
+    """The environment of a user online whose Hub does not answer: HF_HUB_OFFLINE=0 and an endpoint on 127.0.0.1 at a
+    port nothing listens on (taken free a moment ago), so that whatever the libraries try fails at once, on loopback.
+    (Offline, a Hub model the cache lacks is refused: what a --dry-run online lists as not checked.)"""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{port}"}
+
+
 def run_script(script: str, *flags: str, nproc: int = 1, timeout: int = 600, env=None) -> subprocess.CompletedProcess:
     """Run a training script like a user would, in a subprocess (torchrun for several CPU processes)."""
     command, environment = script_command(script, flags, nproc), script_environment(nproc, env)

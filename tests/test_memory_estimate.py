@@ -15,7 +15,7 @@ import memory_estimate
 import run_utils
 import train_policy_accelerate
 import train_reward_accelerate
-from tests.conftest import REPO, run_script
+from tests.conftest import REPO, run_script, unreachable_hub
 
 GPT2_COUNTS = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080, "gpt2-xl": 1_557_611_200}
 """GPT-2's parameters, the LM head tied to the token embedding (the published model cards' counts)"""
@@ -201,7 +201,9 @@ def test_dry_run_of_both_scripts_prints_the_estimate_and_the_flags(tiny_assets, 
         assert "reward_model" not in expected
         (warning,) = [line for line in tight.stderr.splitlines() if line.startswith("warning: the estimated")]
         assert tight.returncode == 0 and accumulation in warning, tight.stderr
-    result = run_script("train_reward_accelerate.py", *reward, "--base-model", "no-such-org/no-such-model")
+    result = run_script(
+        "train_reward_accelerate.py", *reward, "--base-model", "no-such-org/no-such-model", env=unreachable_hub()
+    )  # online: offline, a Hub model the cache lacks is refused
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["estimated_peak_memory_gb"] is None and any("memory estimate" in x for x in report["not_checked"])
 

@@ -545,12 +545,12 @@ def test_a_failure_whose_report_cannot_be_read_is_unknown_and_a_long_test_name_i
 
     name = "test_" + "a_comparison_whose_name_is_long_enough_for_pytest_to_pad_it_with_one_underscore" + "[ddp]"
     assert len(name) >= 80
-    output = (f"FAILED tests/test_x.py::{name} - x\n{'=' * 35} FAILURES {'=' * 36}\n_ {name} _\n"
+    output = (f"FAILED tests/X.py::{name} - x\n{'=' * 35} FAILURES {'=' * 36}\n_ {name} _\n"
               "E   AssertionError: update 3: ppo/loss/value differs\n=== short test summary info ===\n")  # fmt: skip
     result = mutations.outcome(mutations.first_failure(output))
     assert result == {"test": name, "assertion": "AssertionError: update 3: ppo/loss/value differs",
                       "kind": "caught", "by": "comparison"}  # fmt: skip
-    unread = mutations.outcome(mutations.first_failure(f"FAILED tests/test_x.py::{name} - x\n"))
+    unread = mutations.outcome(mutations.first_failure(f"FAILED tests/X.py::{name} - x\n"))
     assert unread["kind"] == "unknown"
     row = {"name": "m", "caught_by_comparison": unread}
     assert mutations.verdict(row, mutations.MUTATIONS[0])[0] == "**unknown**"

@@ -15,7 +15,7 @@ import run_utils
 import train_policy_accelerate
 import train_reward_accelerate
 from benchmark.launch.launcher import suite_commands, training_script_args
-from tests.conftest import REPO
+from tests.conftest import REPO, unreachable_hub
 
 SCRIPTS = {"train_reward_accelerate.py": train_reward_accelerate, "train_policy_accelerate.py": train_policy_accelerate}
 SUITES = sorted((REPO / "benchmark" / "launch").glob("*.sh"))
@@ -46,12 +46,16 @@ DRY_RUNS = {
 
 @pytest.mark.parametrize("script", sorted(DRY_RUNS))
 def test_dry_run_from_the_command_line(script, tmp_path):
-    """`--dry-run` needs no model, data or network; a batch that 4 processes can't split is a one-line error."""
+    """`--dry-run` needs no model, data or network (online, the Hub unreachable: the Hub's inputs listed as not
+    checked); a batch that 4 processes can't split is a one-line error."""
     good, bad = DRY_RUNS[script]
-    result = subprocess.run([sys.executable, str(REPO / script), *good], capture_output=True, text=True, cwd=tmp_path)
+    online = {**os.environ, **unreachable_hub()}
+    result = subprocess.run([sys.executable, str(REPO / script), *good], capture_output=True, text=True, cwd=tmp_path,
+                            env=online)  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout.strip().splitlines()[-1])["dry_run"] == "ok"
-    env = {**os.environ, "WORLD_SIZE": "4"}
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["dry_run"] == "ok" and "--base-model gpt2 (on the Hub)" in report["not_checked"]
+    env = {**online, "WORLD_SIZE": "4"}
     result = subprocess.run([sys.executable, str(REPO / script), *bad], capture_output=True, text=True, env=env)
     assert result.returncode != 0
     assert len(result.stderr.strip().splitlines()) == 1 and "batch-size" in result.stderr, result.stderr
