@@ -46,9 +46,10 @@ SCENARIO_RTOL, SCENARIO_ATOL = 1e-3, 1e-6
 SAMPLER_ATOL = 5e-4  # the sampler's log-probs of OpenAI's samples, nats (measured: <= 8.4e-5)
 WEIGHTS_RTOL = 1e-3  # each weight's change after a scenario's last update, relative to OpenAI's (measured: <= 8.5e-5)
 CURVE_Z = 3.5
-"""The free-running test, two-sided: |our mean - OpenAI's| <= CURVE_Z standard errors of that difference (a false
-alarm 5e-4 of the time per quantity for normal means, 0.3% for all 7); it finds a difference of (CURVE_Z + 0.84)
-standard errors 80% of the time: docs/side-by-side.md lists that difference for each quantity (free_running_power)."""
+"""The free-running test, two-sided: |our mean - OpenAI's| <= CURVE_Z standard errors of that difference, each side's
+spread its own (a false alarm 5e-4 of the time per quantity for normal means, 0.3% for all 7); it finds a difference
+of (CURVE_Z + 0.84) standard errors 80% of the time: docs/side-by-side.md lists that difference for each quantity
+(free_running_power)."""
 OUR_SEEDS = 2  # free-running seeds run here (against OpenAI's 30)
 POWER_Z = 0.8416  # z(0.80): a difference of (CURVE_Z + POWER_Z) standard errors is found 80% of the time
 
@@ -393,17 +394,44 @@ def run_means(values: np.ndarray) -> np.ndarray:
     return values.mean(1)
 
 
-def free_running_power(openai: dict[str, np.ndarray]) -> dict[str, dict]:
+def free_running_power(openai: dict[str, np.ndarray], ours: dict[str, np.ndarray]) -> dict[str, dict]:
     """Per curve quantity, what the free-running test allows and what it finds: OpenAI's mean over its seeds, the
-    standard error of the difference of our OUR_SEEDS seeds' mean from it (OpenAI's seed-to-seed standard deviation
-    standing for both sides'), the allowed difference (CURVE_Z of them) and the difference found 80% of the time."""
+    standard error of the difference of our OUR_SEEDS seeds' mean from it (each side's own seed-to-seed spread: OpenAI's
+    from its seeds, ours from our committed seeds of the side by side, `ours`), the allowed difference (CURVE_Z of them)
+    and the difference found 80% of the time."""
     rows = {}
     for key in S.CURVE_STATS:
-        theirs = run_means(openai[key])
-        error = theirs.std(ddof=1) * np.sqrt(1 / len(theirs) + 1 / OUR_SEEDS)
+        theirs, mine = run_means(openai[key]), run_means(ours[key])
+        error = np.sqrt(theirs.var(ddof=1) / len(theirs) + mine.var(ddof=1) / OUR_SEEDS)
         rows[key] = dict(mean=theirs.mean(), error=error, allowed=CURVE_Z * error,
                          detectable=(CURVE_Z + POWER_Z) * error)  # fmt: skip
     return rows
+
+
+def test_the_free_running_standard_error_takes_each_sides_spread():
+    """The standard error of the difference adds OpenAI's variance of a mean of its seeds and ours of a mean of
+    OUR_SEEDS: a side twice as spread widens what is allowed (OpenAI's spread standing for both, it would not)."""
+    rng = np.random.default_rng(0)
+    openai = {key: rng.normal(1.0, 0.1, (30, 4)) for key in S.CURVE_STATS}
+    alike = {key: rng.normal(1.0, 0.1, (30, 4)) for key in S.CURVE_STATS}
+    spread = {key: 1.0 + 3.0 * (alike[key] - 1.0) for key in S.CURVE_STATS}
+    for key in S.CURVE_STATS:
+        a, b = run_means(openai[key]), run_means(spread[key])
+        expected = np.sqrt(a.var(ddof=1) / 30 + b.var(ddof=1) / OUR_SEEDS)
+        assert free_running_power(openai, spread)[key]["error"] == pytest.approx(expected, rel=1e-12)
+        assert free_running_power(openai, spread)[key]["error"] > 2 * free_running_power(openai, alike)[key]["error"]
+
+
+def test_the_docs_list_what_the_free_running_test_allows():
+    """docs/side-by-side.md's table of the free-running test: each quantity's allowed and detected differences are
+    what free_running_power computes from the committed curves (a change of the test's statistics changes the table)."""
+    power = free_running_power(read_curves(REFERENCE / "curves_openai.csv"), read_curves(REFERENCE / "curves_ours.csv"))
+    text = (REPO / "docs" / "side-by-side.md").read_text()
+    table = re.findall(r"^\| [^|]+ \| [^|]+ \| ±(\S+) \(\d+%\) \| (\S+) \(\d+%\) \|$", text, re.M)
+    assert len(table) == len(S.CURVE_STATS)
+    for (allowed, detectable), key in zip(table, S.CURVE_STATS, strict=True):
+        assert float(allowed) == pytest.approx(power[key]["allowed"], rel=0.05), key
+        assert float(detectable) == pytest.approx(power[key]["detectable"], rel=0.05), key
 
 
 def test_free_running_curves_agree_with_openais_seeds(assets, reward_rows, tmp_path):
@@ -426,7 +454,7 @@ def test_free_running_curves_agree_with_openais_seeds(assets, reward_rows, tmp_p
         assert len(rows) == updates
         for key in S.CURVE_STATS:
             ours[key].append(run_means(np.array([[row[S.OUR_NAMES.get(key, key)] for row in rows]]))[0])
-    power = free_running_power(openai)
+    power = free_running_power(openai, read_curves(REFERENCE / "curves_ours.csv"))
     for key in S.CURVE_STATS:
         row, mine = power[key], np.mean(ours[key])
         assert abs(mine - row["mean"]) <= row["allowed"], (
