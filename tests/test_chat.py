@@ -174,6 +174,20 @@ def test_sampling_stops_once_every_row_has_ended_and_draws_what_full_sampling_dr
     assert torch.equal(truncated[:, :length], P.truncate_responses(stopped, END_ID, truncate_after, pad)[0])
 
 
+def test_a_truncate_token_before_truncate_after_does_not_end_a_row(chat_lm, chat_tokenizer, tiny_chat_assets, tmp_path,
+                                                                     monkeypatch):  # fmt: skip
+    """With --task.truncate-after 2, a row that writes its end of turn at index 0 has not ended (truncate_responses
+    would not cut it there): sampling goes on until every row writes it at an index >= 2. The draws are scripted: every
+    row draws the end of turn at steps 0 and 3, another token at steps 1 and 2."""
+    (tmp_path / "questions.jsonl").write_bytes(tiny_chat_assets["questions"].read_bytes())
+    contexts, pad = chat_contexts(chat_tokenizer, tmp_path, 4), chat_tokenizer.pad_token_id
+    script = iter([END_ID, 7, 7, END_ID, 7, 7])
+    monkeypatch.setattr(P, "draw_tokens", lambda probs: torch.full((len(probs), 1), next(script)))
+    responses = P.sample_responses(chat_lm, contexts, pad, 6, 0.7, stop=(END_ID, 2))
+    assert responses.tolist() == [[END_ID, 7, 7, END_ID]] * 4
+    assert P.truncate_responses(responses, END_ID, 2, pad)[1].all()  # each ended, at index 3
+
+
 def test_every_chunk_of_a_rollout_gets_the_length_of_its_longest_response(chat_lm, chat_tokenizer, tiny_chat_assets,
                                                                            tmp_path):  # fmt: skip
     """Chunks of 2 rows stop at their own ends; those that ended sooner sample on to the batch's length, so the
