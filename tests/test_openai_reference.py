@@ -597,7 +597,8 @@ def test_a_mutation_that_times_out_or_breaks_collection_is_broken(tmp_path):
 
 def test_the_published_mutation_table_is_the_last_full_run_and_renders():
     """docs/mutations.md is the table of docs/mutations.jsonl (the last full run, `mutations.py --publish`): a result
-    for every mutation of today's list, none survived or broken, every row five cells (a `|` in a change's text is
+    for every mutation of today's list, none survived, broken or unknown, every catch with the assertion that failed
+    (a report the tool could not read is no catch), every row five cells (a `|` in a change's text is
     escaped), and docs/side-by-side.md links it."""
     from benchmark.openai import mutations
 
@@ -613,6 +614,8 @@ def test_the_published_mutation_table_is_the_last_full_run_and_renders():
     for mutation, row in zip(mutations.MUTATIONS, rows, strict=True):
         caught, _ = mutations.verdict(row, mutation)
         assert caught != "not caught" or mutation.equivalent, mutation.name
+        for result in (row.get("caught_by_comparison"), row.get("caught_by_suite")):  # a catch names what it saw
+            assert not isinstance(result, dict) or result["kind"] != "caught" or result["assertion"], mutation.name
     assert "(mutations.md)" in (REPO / "docs" / "side-by-side.md").read_text()
 
 
