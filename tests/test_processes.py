@@ -258,19 +258,28 @@ def chat_flags(assets, *extra) -> list[str]:
             "--local-rollout-forward-batch-size", "4", *extra]  # fmt: skip
 
 
-def test_a_chat_task_with_fields_on_two_processes_is_the_task_on_one(tiny_chat_assets, chat_replay, tmp_path):
+@pytest.mark.parametrize("shares", [2, 4], ids=["1 share a process", "2 shares a process"])
+def test_a_chat_task_with_fields_on_two_processes_is_the_task_on_one(tiny_chat_assets, chat_replay, tmp_path, shares):
     """The tiny chat task, its reward reading each query's `prompt` and `word` fields, the rollout cut where its last
     response ends: 2 processes (16 rows each, in chunks of 4, which agree on that column: each process's own responses
     end sooner or later) compute what 1 process computes, every metric of every update and the trained weights, and
-    every field reaches the reward function beside its own query (tests/chat_rewards.py)."""
-    log = tmp_path / "alignment.log"
+    every field reaches the reward function beside its own query (tests/chat_rewards.py). The replay gives no epoch
+    orders here, so the script's own minibatches() shuffles: with --ppo.whitening-ranks 4 each process holds 2 of the
+    4 whitening shares (the default 8 shares on 2-4 GPUs is this case) and must draw what 1 process draws for them."""
+    log, replay = tmp_path / "alignment.log", tmp_path / "replay.npz"
+    given = dict(np.load(chat_replay))
+    given["call_sites"] = np.array(json.dumps({**json.loads(str(given["call_sites"])), "ranks": shares,
+                                               "rows": CHAT_ROWS // shares}))  # fmt: skip
+    np.savez(replay, **given)
     runs = {}
     for nproc in (1, 2):
         out = tmp_path / f"chat {nproc}"
-        result = run_script("benchmark.openai.replay", "train_policy_accelerate.py", str(chat_replay),
+        result = run_script("benchmark.openai.replay", "train_policy_accelerate.py", str(replay),
                             *chat_flags(tiny_chat_assets, "--output-dir", str(out), "--checkpoint-every",
-                                        str(CHAT_UPDATES)), nproc=nproc, env={"CHAT_ALIGNMENT_LOG": str(log)})  # fmt: skip
+                                        str(CHAT_UPDATES), "--ppo.whitening-ranks", str(shares)), nproc=nproc,
+                            env={"CHAT_ALIGNMENT_LOG": str(log)})  # fmt: skip
         assert result.returncode == 0, failure(result)
+        assert json.loads((out / "args.json").read_text())["ppo"]["whitening_ranks"] == shares
         runs[nproc] = out
     assert not log.exists(), log.read_text()
     lengths = [row["objective/sampled_length"] for row in read_jsonl(runs[1] / "metrics.jsonl")]
