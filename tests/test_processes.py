@@ -35,6 +35,12 @@ REFERENCE = REPO / "benchmark" / "openai" / "side_by_side_reference"
 METRICS_RTOL = 5e-4  # each metric, relative to its largest value over the run
 WEIGHTS_RTOL = 6e-4  # each weight's change from its initial value, relative to the change's largest entry
 REWARD_STEPS = 8  # of the reward model (labels of the reference, 32 a step)
+KL_TARGET, KL_HORIZON = 4.2, 32
+"""The KL controller of the PPO runs: a target near these updates' KL (4.27, 3.66, 1.64, 4.87 nats), so that its
+proportional error lies inside its ±0.2 clip at 3 of its 4 moves (the scenario's 2.5 left it at the clip at every
+one), and a horizon of one batch (32 episodes), so that each move is the error itself: a KL fed to it 1% off moves
+the next coefficient by ~1% (kl / target ~ 1), 20 times the 5e-4 the metrics are compared to (with the scenario's
+horizon of 10,000, 3e-5: under it)."""
 POLICY_UPDATES = 5  # of PPO, with the adaptive KL controller moving (the `ranks_2` scenario's first updates)
 UNIT_SCALE = {"normalized_mean": 1.0}
 """Metrics measured against 1, not their own size: the rewards' mean after a normalization, 0 up to rounding, of rewards
@@ -103,7 +109,8 @@ def policy_runs(assets, reward_runs) -> dict[str, Path]:
     for how in LAUNCHES:
         out = assets.parent / f"policy {how}"
         flags = [*S.our_policy_flags(assets, POLICY_UPDATES, ranks=2, scenario=scenario), "--checkpoint-every",
-                 str(POLICY_UPDATES), "--output-dir", str(out),
+                 str(POLICY_UPDATES), "--output-dir", str(out), "--rewards.adaptive-kl.target", str(KL_TARGET),
+                 "--rewards.adaptive-kl.horizon", str(KL_HORIZON),
                  "--ppo.gradient-accumulation-steps", str(ACCUMULATE.get(how, 1))]  # fmt: skip
         launch(how, ["--policy-init", str(warm), "train_policy_accelerate.py", str(replay), *flags],
                out.with_suffix(".log"))  # fmt: skip
@@ -199,6 +206,8 @@ def test_ppo_on_two_processes_is_ppo_on_one(policy_runs, assets, how):
     assert how != "2 processes, ZeRO-2" or trained_by_zero2(run)
     coefficients = [row["objective/kl_coef"] for row in read_jsonl(reference / "metrics.jsonl") if "update" in row]
     assert len(set(coefficients)) == len(coefficients) == POLICY_UPDATES  # the controller moved at every update
+    kls = [row["objective/kl"] for row in read_jsonl(reference / "metrics.jsonl") if "update" in row][:-1]
+    assert sum(abs(kl / KL_TARGET - 1) < 0.2 for kl in kls) >= 3, kls  # its proportional path, inside the clip
     metrics = metric_differences(run, reference)
     print(f"PPO, {how}: largest metric difference {metrics[0][0]:.1e} ({metrics[0][1]})")
     assert metrics[0][0] <= METRICS_RTOL, metrics[:3]
