@@ -834,11 +834,10 @@ def check_launch(accelerator, args) -> None:
     gradient clipping (an absent or "auto" value is DeepSpeed's 1.0). DeepSpeed is also given the micro-batch size,
     which accelerate otherwise reads from a prepared dataloader (the scripts prepare none), and ZeRO-2 buckets of
     memory_estimate.ZERO_BUCKET_VALUES where its config sets none. ZeRO-3 is refused."""
-    fix = LAUNCH_FIX
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if accelerator.num_processes != launched:
         fail(f"launched as {launched} processes (WORLD_SIZE) but each runs in a group of "
-             f"{accelerator.num_processes}: {fix}")  # fmt: skip
+             f"{accelerator.num_processes}: {LAUNCH_FIX}")  # fmt: skip
     # accelerate's one-process launcher sets a rendezvous address only for --num_machines / --num_processes > 1
     if "ACCELERATE_DYNAMO_BACKEND" in os.environ and "WORLD_SIZE" not in os.environ and "MASTER_ADDR" in os.environ:
         fail(LAUNCHED_ALONE)

@@ -764,9 +764,10 @@ def load_labels(path: str, tokenizer, args: Args) -> Optional[dict[str, torch.Te
     records = rlhf_data.read_label_records(path, lengths, vocab_size, pad_ids, NUM_SAMPLES)
     trained = {json.dumps(record, sort_keys=True) for record in records[: args.labels.num_train]}
     repeated = sum(json.dumps(record, sort_keys=True) in trained for record in records[args.labels.num_train :])
-    if repeated:  # (N19) not refused: a user's file; but test/accuracy would partly measure training records
-        run_utils.console.print(f"--label-dataset {path}: {repeated} held-out records (past --labels.num-train) repeat "
-                                "training records: test/accuracy measures those on what was trained", markup=False)  # fmt: skip
+    if repeated and os.environ.get("RANK", "0") == "0":  # (N19) a user's file, not refused; said once
+        run_utils.console.print(f"warning: --label-dataset {path}: {repeated} held-out records (past --labels.num-train)"
+                                " repeat training records: test/accuracy measures those on what was trained",
+                                markup=False)  # fmt: skip
     if len(records) < args.labels.num_train:  # OAI reads num_train records; the held-out rest is ours
         run_utils.fail(
             f"--label-dataset {path}: {len(records)} records, fewer than --labels.num-train {args.labels.num_train}"
