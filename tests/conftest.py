@@ -96,6 +96,9 @@ def pytest_terminal_summary(terminalreporter):
         )
 
 
+from tests.process_guard import pytest_runtest_call, pytest_runtest_teardown  # noqa: E402, F401  (no process left behind)
+
+
 class LoopbackRecord:
     """What this process and the scripts it started tried (the guard's log) since the test began, or `reset`."""
 
