@@ -829,6 +829,45 @@ LAUNCHED_ALONE = (f"`accelerate launch` was given several machines or processes 
                   f"process alone: {LAUNCH_FIX} (for one process, run the script with python)")  # fmt: skip
 
 
+def torch_extensions_root() -> Path:
+    """Where torch builds the C++ extensions DeepSpeed compiles on first use (TORCH_EXTENSIONS_DIR, else torch's
+    default under the user's cache)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
+def open_by_a_process(path: Path) -> bool:
+    """Whether any process of this machine has `path` open (Linux's /proc/PID/fd); True where that cannot be read."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    target = str(path.resolve())
+    for fds in proc.glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd) == target for fd in fds.iterdir()):
+                return True
+        except OSError:  # a process that ended, or one of another user's
+            continue
+    return False
+
+
+def check_build_locks(root: Optional[Path] = None) -> None:
+    """An interrupted first build of a DeepSpeed extension (cpu_adam on a CPU...) leaves its `lock` file in torch's
+    extension folder (torch.utils.file_baton: the builder holds it open until it removes it), and every later launch
+    waits on it forever. A lock that no process here holds open, still there a moment later, stops the run with one
+    line that names it (it is left in place: another machine sharing the folder could be building)."""
+    root = root or torch_extensions_root()
+    locks = [path for path in root.glob("*/lock")] + [path for path in root.glob("*/*/lock")] if root.is_dir() else []
+    for lock in locks:
+        if open_by_a_process(lock):
+            continue
+        time.sleep(0.5)  # a builder between closing and removing it
+        if lock.exists() and not open_by_a_process(lock):
+            fail(f"a DeepSpeed build lock that no process holds: {lock} (an interrupted build left it, and this launch "
+                 f"would wait on it forever): remove it (rm {lock}) unless another machine builds in that folder now")  # fmt: skip
+
+
 def check_launch(accelerator, args) -> None:
     """The processes form the run they were launched as, and a DeepSpeed engine keeps OpenAI's math: fp32 weights, no
     gradient clipping (an absent or "auto" value is DeepSpeed's 1.0). DeepSpeed is also given the micro-batch size,
@@ -856,6 +895,7 @@ def check_launch(accelerator, args) -> None:
         return
     if plugin.zero_stage == 3:
         fail(ZERO3_REFUSED)
+    check_build_locks()  # before DeepSpeed builds (or waits to build) its CPU extensions
     import deepspeed
 
     if deepspeed.__version__ in DEEPSPEED_BROKEN:

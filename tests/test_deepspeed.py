@@ -135,6 +135,23 @@ def zero2_reward(tiny_assets, tmp_path_factory) -> Path:
     return output_dir
 
 
+def test_a_stale_build_lock_stops_the_launch_in_one_line_instead_of_a_wait(tiny_assets, tmp_path):
+    """An interrupted first build of a DeepSpeed extension leaves `lock` in torch's extension folder, and the next
+    launch would wait on it forever: the scripts name it in one line before DeepSpeed starts, and leave it there."""
+    extensions = tmp_path / "torch_extensions"
+    lock = extensions / "py_cpu" / "cpu_adam" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    command = tiny_reward(large_model_commands()[8], tiny_assets, tmp_path / "run")
+    environment = {**zero2_environment(), "TORCH_EXTENSIONS_DIR": str(extensions)}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180, env=environment, cwd=REPO)
+    assert result.returncode != 0
+    assert f"error: a DeepSpeed build lock that no process holds: {lock} (an interrupted build" in result.stderr, (
+        result.stderr[-3000:]
+    )
+    assert lock.exists()
+
+
 @pytest.fixture(scope="module")
 def reward_model(zero2_reward) -> Path:
     return zero2_reward / "reward_model"

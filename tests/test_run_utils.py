@@ -210,3 +210,18 @@ def test_a_run_without_deepspeed_saves_its_model_without_importing_deepspeed(tmp
         assert result.returncode == 0, result.stderr[-2000:]
         assert result.stdout.split()[-1] == imported, (case, result.stdout)
         assert (tmp_path / case / "model.safetensors").is_file()
+
+
+def test_a_build_lock_a_process_holds_is_waited_for_and_one_no_process_holds_is_named(tmp_path):
+    """run_utils.check_build_locks: a DeepSpeed build in progress (its builder holds the lock open, as torch's
+    FileBaton does) is left to finish; a lock that no process holds stops the run with one line naming it."""
+    lock = tmp_path / "py_cpu" / "cpu_adam" / "lock"
+    lock.parent.mkdir(parents=True)
+    held = os.open(lock, os.O_CREAT | os.O_EXCL)
+    try:
+        run_utils.check_build_locks(tmp_path)  # a live builder: no error
+    finally:
+        os.close(held)
+    with pytest.raises(SystemExit, match=f"a DeepSpeed build lock that no process holds: {lock}"):
+        run_utils.check_build_locks(tmp_path)
+    run_utils.check_build_locks(tmp_path / "absent")  # no extension folder yet
