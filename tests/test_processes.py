@@ -35,12 +35,11 @@ REFERENCE = REPO / "benchmark" / "openai" / "side_by_side_reference"
 METRICS_RTOL = 5e-4  # each metric, relative to its largest value over the run
 WEIGHTS_RTOL = 6e-4  # each weight's change from its initial value, relative to the change's largest entry
 REWARD_STEPS = 8  # of the reward model (labels of the reference, 32 a step)
-KL_TARGET, KL_HORIZON = 4.2, 32
-"""The KL controller of the PPO runs: a target near these updates' KL (4.27, 3.66, 1.64, 4.87 nats), so that its
-proportional error lies inside its ±0.2 clip at 3 of its 4 moves (the scenario's 2.5 left it at the clip at every
-one), and a horizon of one batch (32 episodes), so that each move is the error itself: a KL fed to it 1% off moves
-the next coefficient by ~1% (kl / target ~ 1), 20 times the 5e-4 the metrics are compared to (with the scenario's
-horizon of 10,000, 3e-5: under it)."""
+KL_TARGET, KL_HORIZON = 3.0, 64
+"""The KL controller of the PPO runs: a target near these updates' KL (2.45, 3.56, 2.81, 4.15 nats), so that its
+proportional error lies inside its ±0.2 clip at 3 of its 4 moves (the scenario's own target, set for all 8 of its
+updates, at 2), and a horizon of one batch (64 episodes), so that each move is the error itself: a KL fed to it 1% off
+moves the next coefficient by ~1% (kl / target ~ 1), 20 times the 5e-4 the metrics are compared to."""
 POLICY_UPDATES = 5  # of PPO, with the adaptive KL controller moving (the `ranks_2` scenario's first updates)
 UNIT_SCALE = {"normalized_mean": 1.0}
 """Metrics measured against 1, not their own size: the rewards' mean after a normalization, 0 up to rounding, of rewards
@@ -199,9 +198,9 @@ def initial_reward_model(base: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("how", LAUNCHES[1:], ids=["ddp", "zero2"])
 def test_ppo_on_two_processes_is_ppo_on_one(policy_runs, assets, how):
     """Every metric of every update (the KL controller's coefficient from update 2 on fed the KL of both processes,
-    the lr schedule, Adam's state carried over) and the trained policy's weights and value head: 2 processes (16 rows
-    each, 8 a minibatch; under ZeRO-2 in 2 micro-batches of 4) as 1 process with --ppo.whitening-ranks 2 (32 rows in
-    two whitening shares of 16)."""
+    the lr schedule, Adam's state carried over) and the trained policy's weights and value head: 2 processes (32 rows
+    each, 16 a minibatch; under ZeRO-2 in 2 micro-batches of 8) as 1 process with --ppo.whitening-ranks 2 (64 rows in
+    two whitening shares of 32)."""
     run, reference = policy_runs[how], policy_runs["1 process"]
     assert how != "2 processes, ZeRO-2" or trained_by_zero2(run)
     coefficients = [row["objective/kl_coef"] for row in read_jsonl(reference / "metrics.jsonl") if "update" in row]
@@ -252,7 +251,8 @@ def chat_replay(tiny_chat_assets, tmp_path_factory) -> Path:
     responses = P.sample_responses(lm, contexts, tokenizer.pad_token_id, CHAT_LENGTH, task.temperature)
     shape = (CHAT_UPDATES, CHAT_ROWS)
     call_sites = {"rows": CHAT_ROWS // 2, "ranks": 2, "response_length": CHAT_LENGTH, "samples_per_query": 1,
-                  "temperature": task.temperature}  # fmt: skip
+                  "temperature": task.temperature, "sampler": "policy", "pad_id": S.OPENAI_PAD_ID,
+                  "query_stream": {"seed": 1, "excluded": 0}}  # fmt: skip
     path = tmp_path_factory.mktemp("chat-replay") / "replay.npz"
     np.savez(path, queries=np.array(queries).reshape(*shape, -1), responses=responses.numpy().reshape(*shape, -1),
              rows=np.array(rows).reshape(shape), call_sites=np.array(json.dumps(call_sites)))  # fmt: skip

@@ -47,6 +47,10 @@ class Mutation:
     """the change, in words"""
     equivalent: str = ""
     """for a mutation that computes the same: why (the study checks that no test catches it)"""
+    suite: tuple[str, ...] = ()
+    """for a path the comparison never runs (OpenAI's tasks and the replay do not reach it: a resume, label generation,
+    bf16, the gold evaluation): the suite's test files of that path, all in SECOND_TIER, which the study gives the
+    mutation to directly"""
 
 
 M = Mutation
@@ -353,6 +357,70 @@ MUTATIONS = [
       (("            for share_rows in minibatches(args.local_batch_size, args.local_whitening_ranks, ppo.nminibatches, device):",
         "            for share_rows in minibatches(args.local_batch_size, 1, ppo.nminibatches, device):"),),
       "the epochs shuffle a process's rows as one share, whatever --ppo.whitening-ranks"),
+    M("kl_controller_fed_kl_1pct_high", "several processes", (POLICY,),
+      (("        proportional_error = float(np.clip(current_kl / self.target - 1, -KL_ERROR_CLIP, KL_ERROR_CLIP))",
+        "        proportional_error = float(np.clip(current_kl * 1.01 / self.target - 1, -KL_ERROR_CLIP, KL_ERROR_CLIP))"),),
+      "the KL controller fed a KL 1% too high (the multi-rank scenarios keep it inside its clip, so each move shows it)"),
+    M("rollout_sampled_by_the_reference", "replaced calls", (POLICY,),
+      (("                unwrapped.lm, contexts, pad_id, task.response_length, task.temperature, chunk, stop=stop",
+        "                ref_lm, contexts, pad_id, task.response_length, task.temperature, chunk, stop=stop"),),
+      "the rollout sampled by the frozen reference policy instead of the policy PPO trains"),
+    M("rollout_pad_id_is_eos", "replaced calls", (POLICY,),
+      (("                unwrapped.lm, contexts, pad_id, task.response_length, task.temperature, chunk, stop=stop",
+        "                unwrapped.lm, contexts, tokenizer.eos_token_id, task.response_length, task.temperature, chunk, "
+        "stop=stop"),),
+      "the sampler told the pad id is the end-of-text token: it attends to the contexts' pads"),
+    M("stream_seed_shifted", "replaced calls", (POLICY,),
+      (("        texts, tokenizer, task, pad_id, args.seed, accelerator.process_index, accelerator.num_processes, gold.texts",
+        "        texts, tokenizer, task, pad_id, args.seed + 1, accelerator.process_index, accelerator.num_processes, "
+        "gold.texts"),),
+      "the policy's query stream shuffled with another seed than --seed"),
+    M("stream_holds_out_a_text", "replaced calls", (POLICY,),
+      (("        texts, tokenizer, task, pad_id, args.seed, accelerator.process_index, accelerator.num_processes, gold.texts",
+        "        texts, tokenizer, task, pad_id, args.seed, accelerator.process_index, accelerator.num_processes,\n"
+        "        gold.texts or frozenset(texts[i] for i in range(1))"),),
+      "the policy's query stream holds a text out when no gold evaluation asks for any"),
+    M("one_epoch_more", "replaced calls", (POLICY,),
+      (("        for _ in range(ppo.noptepochs):", "        for _ in range(ppo.noptepochs + 1):"),),
+      "one PPO epoch more than --ppo.noptepochs in every update"),
+    # the gold evaluation, resumed state, the DeepSpeed config the scripts write, label generation, a bf16 path
+    M("gold_draws_per_process", "gold evaluation", (POLICY,),
+      (("                torch.manual_seed(EVAL_SEED)  # same samples on 1 or N processes; each then scores its share",
+        "                torch.manual_seed(EVAL_SEED + accelerator.process_index)"),),
+      "the gold evaluation's samples drawn with a seed per process: its numbers depend on the process count",
+      suite=("tests/test_chat.py", "tests/test_e2e.py")),
+    M("resume_forgets_kl_coef", "resume", (POLICY,),
+      (("        kl_ctl.value = state[\"kl_coef\"]", "        pass"),),
+      "a resumed run restarts the KL controller at --rewards.kl-coef", suite=("tests/test_resume.py",)),
+    M("resume_forgets_stream_position", "resume", (POLICY,),
+      (("        stream.load_state(state[\"process\"][\"stream\"])", "        pass"),),
+      "a resumed run reads the queries from the start of the stream again", suite=("tests/test_resume.py",)),
+    M("reward_resume_forgets_stream_position", "resume", (REWARD,),
+      (("        query_stream.load_state(state[\"process\"][\"stream\"])", "        pass"),),
+      "a resumed reward run's normalization reads the queries from the start of the stream again",
+      suite=("tests/test_resume.py",)),
+    M("deepspeed_clips_at_1", "DeepSpeed config", ("run_utils.py",),
+      (("    config[\"gradient_clipping\"] = 0.0", "    config[\"gradient_clipping\"] = 1.0"),),
+      "the DeepSpeed config the scripts write clips gradients at norm 1 (DeepSpeed's default); OpenAI clips none"),
+    M("deepspeed_small_buckets", "DeepSpeed config", ("run_utils.py",),
+      (("            zero[key] = memory_estimate.ZERO_BUCKET_VALUES", "            zero[key] = 1000"),),
+      "ZeRO-2's reduce and all-gather buckets of 1,000 elements",
+      equivalent="a bucket only chunks the all-reduce and the all-gather: each element is summed over the same "
+      "processes in the same order whatever the chunk it falls in, so the weights are the same bits"),
+    M("labels_picked_by_argmax", "label generation", (REWARD,),
+      (("        record[\"best\"] = int(rng.choice(NUM_SAMPLES, p=probabilities / probabilities.sum()))",
+        "        record[\"best\"] = int(np.argmax(probabilities))"),),
+      "the simulated labeler always picks its best-scored sample instead of sampling softmax(beta * score)",
+      suite=("tests/test_reward_units.py", "tests/test_tasks.py", "tests/test_e2e.py")),
+    M("labels_scored_untruncated", "label generation", (REWARD,),
+      (("    responses, _ = truncate_responses(responses, truncate_token_id, task.truncate_after, pad_id)  # (4n, T)",
+        "    responses, _ = responses, None"),),
+      "the simulated labeler scores and the label file keeps the samples before truncation",
+      suite=("tests/test_reward_units.py", "tests/test_tasks.py", "tests/test_e2e.py")),
+    M("heads_in_bf16", "bf16", BOTH,
+      (("        with torch.autocast(device_type, enabled=False):", "        with contextlib.nullcontext():"),),
+      "under --mixed-precision bf16 the LM head's logits and the scalar heads computed in bf16 (autocast left on)",
+      suite=("tests/test_mixed_precision.py",)),
     # chat templates, the dataset's fields in rewards, sampling that stops (docs/chat.md): off in OpenAI's tasks, so
     # the comparison with OpenAI's code cannot see them; tests/test_chat.py and the chat task of test_processes.py can
     M("chat_end_of_turn_is_eos", "chat template", ("rlhf_data.py",),
@@ -413,6 +481,7 @@ COMPARISON = [  # the comparison with OpenAI's code and of N processes with 1, t
     f"{REFERENCE_TESTS}test_ppo_update_1_matches_openai[1-2]",
     f"{REFERENCE_TESTS}test_ppo_update_1_matches_openai[2-2]",
     f"{REFERENCE_TESTS}test_policy_scenarios_match_openai[ranks_2]",
+    f"{REFERENCE_TESTS}test_policy_scenarios_match_openai[ranks_4]",
     f"{REFERENCE_TESTS}test_reward_model_training_matches_openai_two_ranks",
     f"{REFERENCE_TESTS}test_teacher_forced_updates_match_openai",
     f"{PROCESSES_TESTS}test_the_reward_model_on_two_processes_is_the_reward_model_on_one[ddp]",
@@ -423,7 +492,8 @@ COMPARISON = [  # the comparison with OpenAI's code and of N processes with 1, t
     f"{PROCESSES_TESTS}test_a_chat_task_with_fields_on_two_processes_is_the_task_on_one",
 ]
 SECOND_TIER = ["tests/test_policy_units.py", "tests/test_reward_units.py", "tests/test_shared_helpers.py",
-               "tests/test_mixed_precision.py", "tests/test_tasks.py", "tests/test_chat.py", "tests/test_e2e.py"]  # fmt: skip
+               "tests/test_mixed_precision.py", "tests/test_tasks.py", "tests/test_chat.py", "tests/test_e2e.py",
+               "tests/test_resume.py"]  # fmt: skip
 """The suite's unit and end-to-end tests of the scripts, run on what the comparison misses."""
 
 
@@ -548,6 +618,10 @@ def study(mutation: Optional[Mutation], snapshot: Path, args: Args) -> dict:
         root = copy_repository(snapshot, Path(tmp))
         if mutation is not None:
             apply(mutation, root)
+        if mutation is not None and mutation.suite:  # a path the comparison never runs
+            row = {"name": mutation.name, "caught_by_comparison": None, "seconds": 0.0, "comparison_skipped": True}
+            row["caught_by_suite"], row["suite_seconds"] = run_tests(root, list(mutation.suite), args.timeout)
+            return row
         failure, seconds = run_tests(root, COMPARISON, args.timeout)
         row = {"name": mutation.name if mutation else "(none)", "caught_by_comparison": failure, "seconds": seconds}
         if failure is None and mutation is not None and args.second_tier:
@@ -605,6 +679,9 @@ def main(args: Args) -> None:
             print(f"{mutation.name:40} {mutation.area:45} {mutation.what}")
         return
     names = {mutation.name for mutation in MUTATIONS}
+    outside = {file for mutation in MUTATIONS for file in mutation.suite if file.split("::")[0] not in SECOND_TIER}
+    if outside:
+        raise SystemExit(f"error: {' '.join(sorted(outside))}: a mutation's suite outside SECOND_TIER (its baseline)")
     unknown = set(args.only) - names
     if unknown:
         raise SystemExit(f"error: --only {' '.join(sorted(unknown))}: no such mutation (--list shows them)")

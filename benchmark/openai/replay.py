@@ -49,14 +49,15 @@ OPENAI_PAD_ID = 50259  # OpenAI's pad id for GPT-2's encoding (language/encoding
 
 class Replay:
     """Batches given in the order the script asks for them; each process takes its share of every batch. `call_sites`:
-    OpenAI's arguments at the replaced calls (rows, response_length, temperature, samples_per_query, ranks and, for PPO,
-    nminibatches, noptepochs)."""
+    OpenAI's arguments at the replaced calls (rows, response_length, temperature, samples_per_query, sampler, ranks,
+    pad_id, query_stream and, for PPO, nminibatches, noptepochs)."""
 
     def __init__(self, batches: list[tuple[np.ndarray, Optional[np.ndarray]]], pad_id: int, call_sites: dict,
                  rows: Optional[list[np.ndarray]] = None):  # fmt: skip
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         self.batches, self.pad_id, self.pending, self.taken = list(batches), pad_id, None, 0
         self.call_sites, self.rows = call_sites, None if rows is None else list(rows)
+        self.check("the pad id of the given queries", call_sites["pad_id"], OPENAI_PAD_ID)  # mapped to `pad_id`
 
     def share(self, rows: np.ndarray) -> np.ndarray:
         size = len(rows) // self.world
@@ -67,9 +68,13 @@ class Replay:
         if ours != openai:
             raise SystemExit(f"replay.py: {what} is {ours!r} here, {openai!r} on OpenAI's side")
 
-    def check_stream(self, rank: int, world_size: int) -> None:
-        """The query stream `main` builds reads this process's share: its rank and world size are the process's."""
-        self.check("the query stream's (rank, world size)", (rank, world_size), (self.rank, self.world))
+    def check_stream(self, stream) -> None:
+        """The query stream `main` builds: it reads this process's share (its rank and world size are the process's),
+        from the run's seed (OpenAI's run.seed), holding out as many texts as OpenAI's query sampler (none)."""
+        sites = self.call_sites["query_stream"]
+        self.check("the query stream's (rank, world size)", (stream.rank, stream.world_size), (self.rank, self.world))
+        self.check("the query stream's seed", stream.seed, sites["seed"])
+        self.check("the texts the query stream holds out", len(stream.exclude), sites["excluded"])
 
     def queries(self, n: int) -> tuple[torch.Tensor, Optional[list[int]]]:
         """The next given batch's queries, this process's share (left-padded, with this project's pad id), and their
@@ -90,14 +95,20 @@ class Replay:
         self.pending, self.taken = (queries, responses), self.taken + 1
         return queries, rows
 
-    def responses(self, contexts: torch.Tensor, response_length: int, temperature: float, samples_per_context: int):
+    def responses(self, lm, contexts: torch.Tensor, pad_id: int, response_length: int, temperature: float,
+                  samples_per_context: int):  # fmt: skip
         """The given responses of the next rows of the batch the script just took (it samples in chunks), if
-        `contexts` are those rows' contexts and the sampler's arguments are OpenAI's; None when the batch has no
-        responses (the script samples its own) or no batch is pending (a draw of the script's own: label sampling,
-        sample tables)."""
+        `contexts` are those rows' contexts and the sampler's arguments are OpenAI's (the model that samples: the
+        policy PPO trains, or for the reward model's normalizations a frozen one, as OpenAI's `ref_policy`; the pad
+        id the given queries carry); None when the batch has no responses (the script samples its own) or no batch
+        is pending (a draw of the script's own: label sampling, sample tables)."""
         if self.pending is None:
             return None
         sites = self.call_sites
+        trained = any(parameter.requires_grad for parameter in lm.parameters())
+        self.check("the sampling model", "the policy PPO trains" if trained else "a frozen model",
+                   {"policy": "the policy PPO trains", "ref_policy": "a frozen model"}[sites["sampler"]])  # fmt: skip
+        self.check("the sampler's pad id", pad_id, self.pad_id)
         self.check("the sampler's temperature", float(temperature), sites["temperature"])
         self.check("the sampler's response length", response_length, sites["response_length"])
         self.check("the sampler's samples per context", samples_per_context, sites["samples_per_query"])
@@ -120,9 +131,17 @@ class Replay:
         self.check("the PPO batch per process", batch_size, sites["rows"] * sites["ranks"] // self.world)
         self.check("the whitening shares in all processes (--ppo.whitening-ranks)", shares * self.world, sites["ranks"])
         self.check("the minibatches per epoch", nminibatches, sites["nminibatches"])
+        if orders.shape[2] != sites["noptepochs"]:
+            raise SystemExit(f"replay.py: the given orders hold {orders.shape[2]} epochs an update, OpenAI ran "
+                             f"{sites['noptepochs']}")  # fmt: skip
         self.check(
             "the given orders' shape (ranks, rows per rank)", orders.shape[1::2], (sites["ranks"], sites["rows"])
         )
+
+    def check_epochs(self, epochs: list[int]) -> None:
+        """The PPO epochs that shuffled in each update (`epochs`: a count per rollout) are OpenAI's noptepochs."""
+        for update, count in enumerate(epochs):
+            self.check(f"the PPO epochs of update {update + 1}", count, self.call_sites["noptepochs"])
 
     def check_all_taken(self, orders_taken: int, orders: Optional[np.ndarray]) -> None:
         """Every given batch (and every epoch's order) was used: else the script ran on draws of its own."""
@@ -151,7 +170,7 @@ def install(script, replay: Replay, orders=None) -> list:
             super().__init__(*args, **kwargs)
             self.replayed = sys._getframe(1).f_code is script.main.__code__  # the stream `main` builds
             if self.replayed:
-                replay.check_stream(self.rank, self.world_size)
+                replay.check_stream(self)
 
         def next_batch(self, n: int, device="cpu") -> tuple[torch.Tensor, dict]:
             if not (self.replayed and inside[0]):
@@ -165,7 +184,7 @@ def install(script, replay: Replay, orders=None) -> list:
             return given.to(device), {} if rows is None else self.texts.fields(rows)
 
     def replayed_sample(lm, contexts, pad_id, response_length, temperature, samples_per_context=1, stop=None):
-        given = replay.responses(contexts, response_length, temperature, samples_per_context)
+        given = replay.responses(lm, contexts, pad_id, response_length, temperature, samples_per_context)
         if given is None:
             return original_sample(lm, contexts, pad_id, response_length, temperature, samples_per_context, stop)
         return given
@@ -182,23 +201,42 @@ def install(script, replay: Replay, orders=None) -> list:
                 inside[0] = False
 
         setattr(script, window, replayed_window)
-    calls = []
+    calls, epochs = [], []  # every epoch's order taken; the epochs of each update's rollout
     if orders is not None:
+        original_minibatches = script.minibatches
 
         def replayed_minibatches(batch_size: int, shares: int, nminibatches: int, device):
+            """The script's own minibatches(), its shares' shuffles (torch.randperm, one per share) drawn as OpenAI's
+            ranks drew them: this process's shares are OpenAI's ranks first ... first + G - 1."""
             replay.check_orders(orders, batch_size, shares, nminibatches)
-            update, epoch = divmod(len(calls), orders.shape[2])
-            if update >= len(orders):
-                raise SystemExit(f"replay.py: an epoch beyond the {orders.shape[0] * orders.shape[2]} given orders")
+            epochs.extend([0] * (replay.taken - len(epochs)))  # a new update's rollout: its epochs start at 0
+            replay.check_epochs(epochs[:-1])  # the updates before this one ran all of OpenAI's epochs
+            update, epoch = replay.taken - 1, epochs[-1]
+            if epoch >= orders.shape[2]:
+                raise SystemExit(f"replay.py: the PPO epochs of update {update + 1} are more than the "
+                                 f"{orders.shape[2]} OpenAI ran")  # fmt: skip
             calls.append(1)
-            rows = torch.arange(batch_size, device=device).view(shares, -1)  # (G, B/G): this process's shares
-            first = replay.rank * shares  # this process's shares are OpenAI's ranks first ... first + G - 1
-            permutations = torch.as_tensor(
-                orders[update, first : first + shares, epoch], dtype=torch.int64, device=device
-            )
-            return torch.gather(rows, 1, permutations).chunk(nminibatches, dim=1)
+            epochs[-1] += 1
+            first = replay.rank * shares
+            given = iter(orders[update, first : first + shares, epoch])
+
+            def given_permutation(n: int, *, device=None, **kwargs) -> torch.Tensor:
+                order = next(given, None)
+                if order is None or len(order) != n:
+                    raise SystemExit(f"replay.py: minibatches() shuffles {n} rows, not a share of OpenAI's ranks")
+                return torch.as_tensor(order, dtype=torch.int64, device=device)
+
+            randperm, torch.randperm = torch.randperm, given_permutation
+            try:
+                result = original_minibatches(batch_size, shares, nminibatches, device)
+            finally:
+                torch.randperm = randperm
+            if next(given, None) is not None:
+                raise SystemExit(f"replay.py: minibatches() shuffled fewer than its {shares} shares")
+            return result
 
         script.minibatches = replayed_minibatches
+    replay.epochs = epochs
     return calls
 
 
@@ -253,6 +291,8 @@ def main(argv: list[str]) -> None:
     orders_taken = install(script, replay, orders)
     script.main(args)
     replay.check_all_taken(len(orders_taken), orders)
+    if orders is not None:
+        replay.check_epochs(replay.epochs + [0] * (replay.taken - len(replay.epochs)))
 
 
 if __name__ == "__main__":

@@ -72,6 +72,18 @@ POLICY = dict(batch_size=32, lr=1e-4, noptepochs=4, kl_coef=0.15, kl_target=1.0,
 QUERY_TEXTS = dict(query_prefix="", query_suffix="", start_text="", end_text="")
 PPO_DEFAULTS = dict(gamma=1.0, lam=0.95, cliprange_value=0.2, whiten_rewards=True, adaptive_kl=True)
 """OpenAI's own values of the settings the base scenario leaves alone (train_policy.py PpoHParams)."""
+MULTI_RANK_POLICY = dict(batch_size=64, nminibatches=2, noptepochs=2, gamma=0.9, lam=0.8, cliprange_value=0.05,
+                         lr=3e-4, kl_horizon=64)  # fmt: skip
+"""PPO in the multi-rank scenarios: `details`' settings, 64 episodes an update, and the KL controller inside its clip
+at most of the compared updates, with a horizon of one batch, so that each move is its error itself (a KL fed to it 1%
+off moves the coefficient ~1%, ten times the test's 1e-3). A batch's KL is noisy (from 1.9 to 4.2 nats in 5 updates
+of the same run), so no one target keeps the error of a run inside ±0.2 by design: the rollouts come from a free run
+with a fixed coefficient (`free_run`), whose draws the target does not change, and each scenario's target is then set
+near the KL of those draws (KL_TARGETS)."""
+KL_TARGETS = {"ranks_2": 2.348, "ranks_4": 3.6}
+"""The KL targets of the multi-rank scenarios, from their free runs' KL: `ranks_2` 2.45, 3.56, 2.81, 4.15, 1.91, 4.82,
+2.25 (1.62) nats, inside ±20% of 2.36 at 4 of its 7 moves (the largest window of the spread), `ranks_4` 5.91, 3.91,
+3.23, 5.35, 3.60 (2.58), inside ±20% of 3.6 at 3 of its 5."""
 SCENARIOS = {
     "details": dict(
         task=dict(query_prefix="The sun", query_suffix=" the bird", start_text=".", end_text="."),
@@ -86,10 +98,20 @@ SCENARIOS = {
     ),
     "ranks_2": dict(
         task=dict(query_prefix="The sun", query_suffix=" the bird", start_text=".", end_text="."),
-        policy=dict(nminibatches=2, noptepochs=2, gamma=0.9, lam=0.8, cliprange_value=0.05, lr=3e-4, kl_target=2.5),
+        policy=dict(MULTI_RANK_POLICY, kl_target=KL_TARGETS["ranks_2"]),
         warm_start=dict(scale=0.02, value_scale=0.2, eos_scale=0.9, seed=3),
+        free_run=dict(adaptive_kl=False),
         updates=8,
         ranks=2,
+    ),
+    "ranks_4": dict(
+        task=dict(query_prefix="The sun", query_suffix=" the bird", start_text=".", end_text="."),
+        policy=dict(MULTI_RANK_POLICY, kl_target=KL_TARGETS["ranks_4"]),
+        warm_start=dict(scale=0.02, value_scale=0.2, eos_scale=0.9, seed=3),
+        free_run=dict(adaptive_kl=False),
+        updates=6,
+        ranks=4,
+        processes=2,
     ),
 }
 """Policy scenarios beyond the base one, each compared from update 1 on OpenAI's own rollouts (teacher-forced), so
@@ -100,8 +122,11 @@ binds, the KL controller inside its clip range and at its top. `plain`: no trunc
 whitening, a fixed KL coefficient (OpenAI's summarization settings). `ranks_2`: OpenAI on 2 ranks (mpiexec -n 2)
 against this project on 2 processes with --ppo.whitening-ranks 2, over 8 updates, each rank given its own draws of a
 2-rank free run: what matters only with several processes or only after update 1 (the controller fed the KL of all
-ranks, moving at its clip and then inside its range; the lr schedule, Adam's state; 2 minibatches per rank), from the
-`details` warm start and task; the weights after the last update are compared too."""
+ranks, inside its clip at most updates, MULTI_RANK_POLICY; the lr schedule, Adam's state; 2 minibatches per rank),
+from the `details` warm start and task; the weights after the last update are compared too. `ranks_4`: OpenAI on 4
+ranks (mpiexec -n 4) against this project on 2 processes with --ppo.whitening-ranks 4: each process holds 2 of
+OpenAI's ranks as whitening shares and shuffles each share with that rank's permutations, through the script's own
+minibatches(). A scenario's `free_run` settings are those of the free run that draws its rollouts alone."""
 SAMPLING_SCENARIO = "details"
 """The sampler is compared on this scenario's update 1: OpenAI's sampled tokens given to this project's sampler, whose
 log-probs of them (its KV-cached forwards at the sampling temperature, from the warm policy, on padded contexts with
@@ -156,16 +181,29 @@ class OpenAI:
         if commit.returncode != 0 or commit.stdout.strip() != OPENAI_COMMIT:
             found = commit.stdout.strip() or "not a git checkout"
             raise SystemExit(f"error: --openai-src {src}: expected commit {OPENAI_COMMIT[:7]}, found {found[:12]}")
-        changes = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
-                                 capture_output=True, text=True, check=True).stdout  # fmt: skip
-        if changes.strip():
+        self.src = src
+        changes = self.tree_changes()
+        if changes:
             raise SystemExit(f"error: --openai-src {src}: OpenAI's code must run unmodified, and these files differ "
-                             f"from commit {OPENAI_COMMIT[:7]}: {' '.join(line[3:] for line in changes.splitlines())}")  # fmt: skip
+                             f"from commit {OPENAI_COMMIT[:7]}: {' '.join(changes)}")  # fmt: skip
         self.python, self.mpi = build_openai_venv(Path(args.openai_venv), args.mpi), args.mpi
-        self.provenance = dict(openai_commit=OPENAI_COMMIT, openai_tree_clean=True, **self.versions())
+        self.versions_found = dict(openai_commit=OPENAI_COMMIT, **self.versions())
         self.environment = {**os.environ, "OAI_SRC": str(src), "OAI_TOKENIZER": str(assets / "tokenizer"),
                             "OAI_QUERIES": str(assets / "corpus.txt"), "TF_ENABLE_ONEDNN_OPTS": "0",
                             "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONWARNINGS": "ignore"}  # fmt: skip
+
+    def tree_changes(self) -> list[str]:
+        """The files of OpenAI's checkout that differ from its commit, tracked or untracked (git status; what its
+        .gitignore names, __pycache__, aside)."""
+        status = subprocess.run(["git", "-C", str(self.src), "status", "--porcelain", "--untracked-files=all"],
+                                capture_output=True, text=True, check=True).stdout  # fmt: skip
+        return [line[3:] for line in status.splitlines() if line.strip()]
+
+    @property
+    def provenance(self) -> dict:
+        """What a run of OpenAI's code runs on: the commit, whether its tree is clean now (computed before each run),
+        the venv's versions and the CPU."""
+        return dict(self.versions_found, openai_tree_clean=not self.tree_changes())
 
     def versions(self) -> dict:
         """What OpenAI's code ran on: the venv's Python, TensorFlow, NumPy and mpi4py, and the machine."""
@@ -190,7 +228,10 @@ class OpenAI:
             line = [str(Path(self.python).parent / "mpiexec"), "-n", str(ranks), self.python, *script]
         environment = {**self.environment, "OAI_QUERY_SEED": str(query_seed),
                        **({"OAI_MPI": "real", "OMP_NUM_THREADS": "1"} if ranks > 1 else {})}  # fmt: skip
-        return run_logged(line, out / "log.txt", environment)
+        seconds = run_logged(line, out / "log.txt", environment)
+        run["outputs"] = output_hashes(out)  # recorded as written: the reference's copies are checked against them
+        (out / "run.json").write_text(json.dumps(run, indent=1))
+        return seconds
 
     def write_checkpoint(self, arrays: dict, prefix: Path) -> None:
         prefix.parent.mkdir(parents=True, exist_ok=True)
@@ -204,6 +245,13 @@ class OpenAI:
         run_logged([self.python, *script, "read", str(prefix), str(arrays_path)], arrays_path.with_suffix(".log"),
                    self.environment)  # fmt: skip
         return dict(np.load(arrays_path))
+
+
+def output_hashes(out: Path) -> dict[str, str]:
+    """The sha256 of every file a run of OpenAI's code wrote into `out` (its outputs, per rank, and its log), by name;
+    not the harness's own config.json and run.json."""
+    return {path.relative_to(out).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(out.rglob("*")) if path.is_file() and path.name not in ("config.json", "run.json")}  # fmt: skip
 
 
 def cpu_model() -> str:
@@ -365,8 +413,12 @@ def reward_run_config(assets: Path, stage: Path, scenario: Optional[dict] = None
 
 
 def free_run_config(assets: Path, source: Path, updates: int, seed: int = 1, name: str = "") -> dict:
-    """The config of OpenAI's free train_policy run whose rollouts a stage gives both sides (`name`: a scenario's)."""
-    hparams = openai_policy_hparams(assets, updates, seed, scenario=SCENARIOS.get(name))
+    """The config of OpenAI's free train_policy run whose rollouts a stage gives both sides (`name`: a scenario's,
+    with its `free_run` settings: those of the free run alone)."""
+    scenario = SCENARIOS.get(name)
+    if scenario and "free_run" in scenario:
+        scenario = {**scenario, "policy": {**scenario["policy"], **scenario["free_run"]}}
+    hparams = openai_policy_hparams(assets, updates, seed, scenario=scenario)
     return {"hparams": hparams, "out": str(source), **warm_config(assets, name)}
 
 
@@ -563,15 +615,20 @@ def given_rollouts(source: Path, destination: Path, ranks: int = 1) -> Path:
 def call_sites(openai_out: Path, ranks: int) -> dict:
     """The arguments OpenAI's trainer passed where benchmark/openai/replay.py hands this project's scripts draws
     instead (run_openai.py's calls.json, one per rank): the rows each rank drew, the response length, the temperature
-    and samples per query it sampled with, its number of ranks and, for PPO, its minibatches and epochs. The same at
-    every call and on every rank, or the harness stops."""
-    names = ["calls.json"] if ranks == 1 else [f"calls.rank{r}.json" for r in range(ranks)]
-    calls = [json.loads((openai_out / name).read_text()) for name in names]
+    and samples per query it sampled with, which policy sampled, its number of ranks, the pad id its queries carry, the
+    run's seed and the texts its query stream holds out and, for PPO, its minibatches and epochs. The same at every
+    call and on every rank, or the harness stops."""
+    calls = [json.loads((openai_out / name).read_text()) for name in calls_files(ranks)]
     sampling = {json.dumps(call, sort_keys=True) for rank in calls for call in rank["sampling"]}
-    if len(sampling) != 1 or {rank["ranks"] for rank in calls} != {ranks}:
-        raise SystemExit(f"error: {openai_out}: OpenAI's sampling calls differ between calls or ranks: {sampling}")
-    loops = {key: calls[0][key] for key in ("nminibatches", "noptepochs") if key in calls[0]}
-    return {**json.loads(sampling.pop()), "ranks": ranks, **loops}
+    settings = {json.dumps({k: v for k, v in rank.items() if k not in ("rank", "sampling")}, sort_keys=True)
+                for rank in calls}  # fmt: skip
+    if len(sampling) != 1 or len(settings) != 1 or {rank["ranks"] for rank in calls} != {ranks}:
+        raise SystemExit(f"error: {openai_out}: OpenAI's calls differ between calls or ranks: {sampling}, {settings}")
+    return {**json.loads(sampling.pop()), **json.loads(settings.pop())}
+
+
+def calls_files(ranks: int) -> list[str]:
+    return ["calls.json"] if ranks == 1 else [f"calls.rank{r}.json" for r in range(ranks)]
 
 
 def with_call_sites(arrays: dict, openai_out: Path, ranks: int) -> dict:
@@ -669,7 +726,9 @@ def run_policy_pair(openai: OpenAI, stage: Path, given: Path, updates: int, rank
         str(stage / "ours"),
     ]
     warm = assets / f"warm_policy_{name}" if (scenario or {}).get("warm_start") else None
-    our_seconds = run_ours("train_policy_accelerate.py", flags, stage / "ours", ranks, replay=replay, policy_init=warm)
+    processes = (scenario or {}).get("processes", ranks)  # this project's processes: `ranks` whitening shares in all
+    our_seconds = run_ours("train_policy_accelerate.py", flags, stage / "ours", processes, replay=replay,
+                           policy_init=warm)  # fmt: skip
     comparison = {**compare_policy(stage), "seconds": dict(openai=seconds, ours=our_seconds)}
     if name:
         initial = policy_arrays(warm or assets / "base", value_head=warm is not None)
@@ -1203,7 +1262,7 @@ def write_reference(out: Path, stages) -> None:
             write_provenance(out, target / "provenance.json", [sampled, stage / "openai"])
     seeds = sorted((out / "curves").glob("seed_*"), key=lambda d: int(d.name.split("_")[1]))
     if "curves" in stages and seeds and all((seed / "openai" / "run.json").exists() for seed in seeds):
-        write_provenance(out, REFERENCE / "curves_provenance.json", [seed / "openai" for seed in seeds])
+        write_provenance(out, REFERENCE / "curves_provenance.json", [seed / "openai" for seed in seeds], keep=())
     if "curves" in stages and (out / "curve_tests.json").exists():
         data = curves(out)
         for side in ("openai", "ours"):
@@ -1216,11 +1275,26 @@ def write_reference(out: Path, stages) -> None:
     print(f"side by side: wrote {REFERENCE}")
 
 
-def write_provenance(out: Path, target: Path, runs: list[Path]) -> None:
-    """`target` (a stage's provenance.json): what OpenAI's code ran on (commit, a clean tree, TensorFlow, NumPy, mpi4py, Python,
-    the CPU) and, for each of its runs that made the stage's data, the command, ranks, query seed and the config it
-    was given (paths under the side by side's output directory written as OUT/...)."""
+OUTPUTS_KEPT = "openai_outputs"
+"""Where a stage of the reference keeps OpenAI's own output files verbatim, a folder per run (run_0, run_1, ... in
+the order of its provenance.json's runs): what the stage's data is derived from, hashed as written (run.json's
+`outputs`). The log is hashed but not kept (it holds this machine's paths)."""
+
+
+def write_provenance(out: Path, target: Path, runs: list[Path], keep: tuple[str, ...] = ("*",)) -> None:
+    """`target` (a stage's provenance.json): what OpenAI's code ran on (commit, a clean tree computed before each run,
+    TensorFlow, NumPy, mpi4py, Python, the CPU) and, for each of its runs that made the stage's data, the command,
+    ranks, query seed, the config it was given (paths under the side by side's output directory written as OUT/...)
+    and the sha256 of each file it wrote, taken as it wrote them. Those of its files that match `keep` (the log
+    aside) are copied next to it, under OUTPUTS_KEPT/run_K/, for tests/test_openai_reference.py to hash again."""
     records = [json.loads((run / "run.json").read_text()) for run in runs]
+    kept = target.parent / OUTPUTS_KEPT
+    shutil.rmtree(kept, ignore_errors=True)
+    for index, (run, record) in enumerate(zip(runs, records, strict=True)):
+        for name in record["outputs"]:
+            if name != "log.txt" and any(Path(name).match(pattern) for pattern in keep):
+                (kept / f"run_{index}" / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(run / name, kept / f"run_{index}" / name)
     provenance = {json.dumps(record.pop("provenance"), sort_keys=True) for record in records}
     if len(provenance) != 1:
         raise SystemExit(f"error: {target}: its OpenAI runs ran on different setups: {sorted(provenance)}")
@@ -1237,7 +1311,7 @@ def write_provenance(out: Path, target: Path, runs: list[Path]) -> None:
 
 
 def main(args: Args) -> None:
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # absolute: OpenAI reads a relative model path as a gs:// name
     stages = ("report",) if args.report_only else args.stages
     needs_openai = [stage for stage in stages if stage != "report"]
     if needs_openai and args.openai_src is None:

@@ -11,7 +11,8 @@ rollouts, the numpy permutations that order labels and minibatches, the normaliz
 "inject", hand its trainer given queries and responses instead of sampling them; the log-probs and values of those
 then come from OpenAI's own `Policy.analyze_responses` (one forward over query + response). `calls.json` records the
 arguments OpenAI's trainers passed where the side by side hands this project's scripts draws instead (the rows a
-rank drew, the response length and temperature it sampled with, samples per query, its ranks and minibatches), so
+rank drew, the response length and temperature it sampled with, samples per query, which policy sampled, the pad id,
+the run's seed and the texts held out of its query stream, its ranks, minibatches and epochs), so
 that benchmark/openai/replay.py can hold the scripts' own arguments there against them. Under `mpiexec -n N`
 (OAI_MPI=real) each rank writes its own files, `.rank{r}` before the extension.
 """
@@ -45,15 +46,24 @@ np.random.permutation = recorded_permutation
 CALLS = []  # each sampling call of OpenAI's trainer: rows, response length, temperature, samples per query (calls.json)
 
 
-def record_call(rows, length, temperature, responses_rows) -> None:
+def record_call(rows, length, temperature, responses_rows, scope: str) -> None:
+    """One sampling call: the rows, response length, temperature, samples per query, and which policy sampled (its
+    variable scope: `policy` is the one train_policy's PPO trains, `ref_policy` the frozen initial model, the one
+    train_reward samples its normalizations with)."""
     CALLS.append(dict(rows=int(rows), response_length=int(length), temperature=float(temperature),
-                      samples_per_query=int(responses_rows) // int(rows)))  # fmt: skip
+                      samples_per_query=int(responses_rows) // int(rows), sampler=scope))  # fmt: skip
 
 
-def write_calls(config: dict, **settings) -> None:
-    """calls.json: OpenAI's sampling calls and the settings its loops ran with, on this rank."""
+def write_calls(config: dict, hparams, **settings) -> None:
+    """calls.json: OpenAI's sampling calls and the settings its loops ran with, on this rank: the pad id its queries
+    carry (the encoding's padding_token), the seed of the run (run.seed) and the query texts its sampler skips (none:
+    OpenAI's query sampler holds none out)."""
+    from lm_human_preferences.language import encodings
+
+    stream = dict(seed=int(hparams.run.seed), excluded=0)
     with open(path(config, "calls.json"), "w") as file:
-        json.dump(dict(rank=RANK, ranks=RANKS, sampling=CALLS, **settings), file)
+        json.dump(dict(rank=RANK, ranks=RANKS, sampling=CALLS, pad_id=int(encodings.Main.get_encoder().padding_token),
+                       query_stream=stream, **settings), file)  # fmt: skip
 
 
 def path(config: dict, name: str) -> str:
@@ -112,7 +122,7 @@ def reward(config: dict) -> None:
     sampler = {}  # the response length and temperature the normalizations' sampling op was built with
 
     def recording_respond_op(self, queries, length):  # built once, run for every batch the normalizations sample
-        sampler.update(length=length, temperature=self.temperature)
+        sampler.update(length=length, temperature=self.temperature, scope=self.scope.name)
         return respond_op(self, queries, length)
 
     Policy.respond_op = recording_respond_op
@@ -126,7 +136,7 @@ def reward(config: dict) -> None:
             batches = sample(n_samples)
             samples.append(batches)
             for queries, responses in batches:
-                record_call(len(queries), sampler["length"], sampler["temperature"], len(responses))
+                record_call(len(queries), sampler["length"], sampler["temperature"], len(responses), sampler["scope"])
             return batches
 
         def recording_set_norms(mean, std, new_mean, new_std):
@@ -138,8 +148,8 @@ def reward(config: dict) -> None:
         self.sample_policy_responses, self.set_reward_norms = recording_sample, recording_set_norms
 
     train_reward.RewardModelTrainer.__init__ = instrumented_init
-    start = time.time()
-    train_reward.train(hparams_of(train_reward, config))
+    start, hparams = time.time(), hparams_of(train_reward, config)
+    train_reward.train(hparams)
     write_jsonl(config, "reward_steps.jsonl", steps)
     with open(path(config, "reward.json"), "w") as file:
         json.dump(dict(normalizations=dict(zip(("before", "after"), normalizations, strict=True)),
@@ -149,7 +159,7 @@ def reward(config: dict) -> None:
         arrays[f"{phase}_queries"] = np.concatenate([queries for queries, _ in batches])
         arrays[f"{phase}_responses"] = np.concatenate([responses for _, responses in batches])
     np.savez(path(config, "normalization_samples.npz"), **arrays)
-    write_calls(config)
+    write_calls(config, hparams)
 
 
 def policy(config: dict) -> None:
@@ -193,7 +203,7 @@ def policy(config: dict) -> None:
                 result = dict(responses=responses, **self.policy.analyze_responses(queries, responses))
                 result.pop("entropies")
             rollouts[-1].update(responses=result["responses"], values=result["values"])
-            record_call(len(queries), length, self.policy.temperature, len(result["responses"]))
+            record_call(len(queries), length, self.policy.temperature, len(result["responses"]), self.policy.scope.name)
             return result
 
         self.policy.respond = recording_respond
@@ -212,7 +222,7 @@ def policy(config: dict) -> None:
         start_trained_policy_from(config["policy_init"])
     hparams = hparams_of(train_policy, config)
     train_policy.train(hparams)
-    write_calls(config, nminibatches=hparams.ppo.nminibatches, noptepochs=hparams.ppo.noptepochs)
+    write_calls(config, hparams, nminibatches=hparams.ppo.nminibatches, noptepochs=hparams.ppo.noptepochs)
     if config.get("dump_rollouts", True):
         np.savez(path(config, "rollouts.npz"), **{key: np.stack([r[key] for r in rollouts]) for key in rollouts[0]})
 
