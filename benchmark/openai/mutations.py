@@ -502,7 +502,7 @@ class Args:
     out: str = "runs/mutations"
     """where the results and the table go"""
     only: tuple[str, ...] = ()
-    """run these mutations only (default: all)"""
+    """run these mutations only, in this order (default: all)"""
     list: bool = False
     """print the mutations, one line each, and exit"""
     report_only: bool = False
@@ -699,7 +699,8 @@ def main(args: Args) -> None:
             if failed is not None:
                 raise SystemExit(f"error: the unmutated copy fails the second tier: {failed}")
             print(f"mutations: the unmutated copy passes the second tier ({seconds:.0f} s)", flush=True)
-        for mutation in [m for m in MUTATIONS if not args.only or m.name in args.only]:
+        by_name = {mutation.name: mutation for mutation in MUTATIONS}
+        for mutation in [by_name[name] for name in dict.fromkeys(args.only)] if args.only else MUTATIONS:
             row = study(mutation, snapshot, args)
             with open(out / "results.jsonl", "a") as file:
                 file.write(json.dumps(row) + "\n")
