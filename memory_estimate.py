@@ -35,6 +35,8 @@ class ModelShape:
 
     lm_parameters: int  # the causal LM's, a tied LM head counted once (GPT-2's is its token embedding)
     backbone_parameters: int  # without the LM head: the reward model's backbone
+    lm_bf16_parameters: int  # of those, the ones a frozen copy keeps in bf16 under bf16 autocast (bf16_modules)
+    backbone_bf16_parameters: int
     layers: int
     width: int  # d_model
     inner: int  # the MLP's hidden width (4 * d_model in GPT-2)
@@ -58,10 +60,30 @@ def model_shape(name: str) -> Optional[ModelShape]:
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(config)
     count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731 (shared tensors once)
+    in_bf16 = lambda model: sum(count(module) for module in bf16_modules(model))  # noqa: E731
     inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size
     return ModelShape(lm_parameters=count(lm), backbone_parameters=count(lm.base_model),
+                      lm_bf16_parameters=in_bf16(lm), backbone_bf16_parameters=in_bf16(lm.base_model),
                       layers=config.num_hidden_layers, width=config.hidden_size, inner=inner,
                       vocab=lm.get_output_embeddings().weight.shape[0])  # fmt: skip
+
+
+def bf16_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of a frozen model whose weights every product under bf16 autocast reads as bf16 (autocast casts
+    the weight and bias of a linear layer, nn.Linear or GPT-2's Conv1D, at each product): stored in bf16 they take
+    half the memory and give those products the same operands. Not the output embeddings (the LM head, whose logits
+    are fp32 products) nor what runs outside autocast's bf16 list: embeddings, norms."""
+    from transformers.pytorch_utils import Conv1D
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    heads = {id(parameter) for parameter in head.parameters()} if head is not None else set()
+    return [module for module in model.modules() if isinstance(module, (torch.nn.Linear, Conv1D))
+            and module is not head and not heads & {id(parameter) for parameter in module.parameters()}]  # fmt: skip
+
+
+def frozen_bytes(parameters: int, bf16_parameters: int, bf16: bool) -> int:
+    """A frozen model's weights: fp32, its linear layers bf16 under bf16 autocast (bf16_modules)."""
+    return 4 * parameters - (2 * bf16_parameters if bf16 else 0)
 
 
 def peak_memory_parts(args, base: ModelShape, reward: Optional[ModelShape], processes: int, zero_stage: int) -> dict:
@@ -74,7 +96,8 @@ def peak_memory_parts(args, base: ModelShape, reward: Optional[ModelShape], proc
       gradients as views into its all-reduce buckets (ddp_options), no second copy; ZeRO-2 splits gradients and
       Adam over the processes, and adds its fp32 copy of each process's partition and its reduce bucket; bf16
       autocast adds bf16 copies of the weights (its cache) and keeps everything else fp32;
-    - frozen models (the policy's reference and reward models, the reward script's sampler): fp32 weights;
+    - frozen models (the policy's reference and reward models, the reward script's sampler): fp32 weights, but for
+      their linear layers' in bf16 under bf16 autocast (bf16_modules);
     - activations saved for the backward, per token and layer of a GPT-2 block with SDPA attention (no T x T
       matrix): 9 d_model + 2 inner values (input, layer-norm outputs, q k v, the attention's output and its
       merged heads, the MLP's hidden and its activation), fp32; under bf16 the matrix products' inputs are bf16
@@ -90,16 +113,17 @@ def peak_memory_parts(args, base: ModelShape, reward: Optional[ModelShape], proc
     task, d, bf16 = args.task, base.width, args.mixed_precision == "bf16"
     if hasattr(args, "ppo"):  # as the policy script's validate_args splits the batch
         trained = base.lm_parameters + d + 1  # the LM and the value head
-        frozen = {"reference_model": 4 * base.lm_parameters}
+        frozen = {"reference_model": frozen_bytes(base.lm_parameters, base.lm_bf16_parameters, bf16)}
         if reward is not None:
-            frozen["reward_model"] = 4 * (reward.backbone_parameters + reward.width + 3)
+            backbone = frozen_bytes(reward.backbone_parameters, reward.backbone_bf16_parameters, bf16)
+            frozen["reward_model"] = backbone + 4 * (reward.width + 3)
         ppo = args.ppo
         rows = ppo.batch_size // processes // ppo.nminibatches // ppo.gradient_accumulation_steps
         tokens = task.query_length + task.response_length
         rollout_rows = min(args.local_rollout_forward_batch_size, ppo.batch_size // processes)  # sampling, scoring
     else:  # the reward script: micro-batches of label records, each one row of a query and its 4 samples
         trained = base.backbone_parameters + d + 3  # the backbone, the scalar head, the gain and the bias
-        frozen = {"sampler": 4 * base.lm_parameters}
+        frozen = {"sampler": frozen_bytes(base.lm_parameters, base.lm_bf16_parameters, bf16)}
         rows = args.batch_size // processes // args.gradient_accumulation_steps
         tokens = task.query_length + NUM_SAMPLES * task.response_length
         rollout_rows = min(args.local_rollout_forward_batch_size, args.rollout_batch_size // processes)

@@ -947,6 +947,17 @@ def sound_checkpoint(checkpoints: list[Path], report) -> Optional[Path]:
     return None
 
 
+def frozen_for_autocast(model: torch.nn.Module, args) -> torch.nn.Module:
+    """A frozen model (the reference, the reward model's backbone, the reward script's sampler) under
+    --mixed-precision bf16: its linear layers stored in bf16 (memory_estimate.bf16_modules), the operands autocast
+    gave every one of their products from fp32 before, at half the memory; the same numbers, bit for bit
+    (tests/test_mixed_precision.py). Embeddings, norms and the LM head stay fp32."""
+    if args.mixed_precision == "bf16":
+        for module in memory_estimate.bf16_modules(model):
+            module.to(torch.bfloat16)
+    return model
+
+
 def enable_gradient_checkpointing(model) -> None:
     """--gradient-checkpointing: every decoder layer recomputes its activations in the backward pass (transformers
     does it in train mode; the scripts' dropout is 0, so train mode changes nothing else)."""

@@ -1005,11 +1005,13 @@ def load_models(args: Args, tokenizer, device) -> tuple[PolicyAndValueWrapper, n
     with run_utils.flag_errors("--base-model", args.base_model, "cannot load its weights"):
         policy = PolicyAndValueWrapper(load_pretrained(AutoModelForCausalLM, args.base_model), args.zero_value_head)
         ref_lm = load_pretrained(AutoModelForCausalLM, args.base_model).to(device).eval()
+        run_utils.frozen_for_autocast(ref_lm, args)  # bf16: its linear layers stored in bf16, the same numbers
     if args.rewards.function is not None:
         reward_model = RewardFunction(args.rewards.function, tokenizer)
     else:
         with run_utils.flag_errors("--rewards.trained-model", args.rewards.trained_model, "cannot load its weights"):
             reward_model = load_reward_model(args.rewards.trained_model).to(device).eval()
+            run_utils.frozen_for_autocast(reward_model.backbone, args)
     if args.gradient_checkpointing:
         run_utils.enable_gradient_checkpointing(policy.lm)
     return policy, ref_lm.requires_grad_(False), reward_model.requires_grad_(False)

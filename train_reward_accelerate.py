@@ -830,7 +830,8 @@ def load_reward_model_and_sampler(args: Args, pad_id: int, device) -> tuple[Rewa
         ref_lm = load_pretrained(AutoModelForCausalLM, args.base_model)
     if args.gradient_checkpointing:
         run_utils.enable_gradient_checkpointing(reward_model.backbone)
-    return reward_model.to(device), ref_lm.to(device).eval().requires_grad_(False)
+    ref_lm = run_utils.frozen_for_autocast(ref_lm.to(device).eval(), args)  # bf16: linear layers in bf16, same numbers
+    return reward_model.to(device), ref_lm.requires_grad_(False)
 
 
 def simulated_labels(run, accelerator, ref_lm, query_stream: QueryStream, tokenizer, truncate_token_id: int,

@@ -15,7 +15,7 @@ import memory_estimate
 import run_utils
 import train_policy_accelerate
 import train_reward_accelerate
-from tests.conftest import REPO, run_script, unreachable_hub
+from tests.conftest import REPO, run_script, tiny_gpt2_config, tiny_llama_config, unreachable_hub
 
 GPT2_COUNTS = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080, "gpt2-xl": 1_557_611_200}
 """GPT-2's parameters, the LM head tied to the token embedding (the published model cards' counts)"""
@@ -66,7 +66,8 @@ def test_gpt2_sizes_are_counted_exactly(name):
     assert memory_estimate.model_shape(f"openai-community/{name}") == shape
 
 
-SMALL = memory_estimate.ModelShape(lm_parameters=1000, backbone_parameters=900, layers=3, width=8, inner=32, vocab=50)
+SMALL = memory_estimate.ModelShape(lm_parameters=1000, backbone_parameters=900, lm_bf16_parameters=600,
+                                   backbone_bf16_parameters=600, layers=3, width=8, inner=32, vocab=50)  # fmt: skip
 """A made-up model for the hand-checked examples: d = 8, MLP 32, V = 50"""
 
 
@@ -103,6 +104,8 @@ def test_policy_parts_on_a_hand_checked_example():
 def test_bf16_checkpointing_zero2_and_direct_rl_parts_on_the_example():
     bf16 = memory_estimate.peak_memory_parts(small_policy(mixed_precision="bf16"), SMALL, SMALL, 2, 0)
     assert bf16["bf16_weight_copies"] == 2 * 1009
+    # the frozen models' linear layers in bf16 (600 of their parameters), the rest and the reward head fp32
+    assert bf16["reference_model"] == 4 * 400 + 2 * 600 and bf16["reward_model"] == 4 * 300 + 2 * 600 + 4 * (8 + 3)
     assert bf16["activations"] == 4 * 7 * 3 * (4 * 2 * 8 + 2 * (7 * 8 + 2 * 32))  # fp32 layer-norm inputs, bf16 rest
     checkpointed = memory_estimate.peak_memory_parts(small_policy(gradient_checkpointing=True), SMALL, SMALL, 2, 0)
     assert checkpointed["activations"] == 4 * 7 * (3 * 4 * 8 + 544)  # each layer's fp32 input, one layer recomputed
@@ -212,3 +215,17 @@ def test_the_readme_holds_the_memory_table_of_benchmark_memory_table():
     table = subprocess.run([sys.executable, "-m", "benchmark.launch.memory_table"], capture_output=True, text=True,
                            timeout=300, check=True, cwd=REPO).stdout.strip()  # fmt: skip
     assert len(table.splitlines()) == 6 and table in (REPO / "README.md").read_text()
+
+
+def test_the_bf16_modules_of_a_frozen_model_are_its_linear_layers_but_the_lm_head():
+    """What a frozen model stores in bf16 under bf16 autocast, counted by the estimate as the scripts store it: GPT-2's
+    Conv1D and Llama's nn.Linear layers, not the embeddings, the norms or the LM head (tied to the token embedding in
+    GPT-2, a Linear of its own in this Llama)."""
+    from transformers import AutoModelForCausalLM
+
+    for config in (tiny_gpt2_config(), tiny_llama_config()):
+        lm = AutoModelForCausalLM.from_config(config)
+        modules = memory_estimate.bf16_modules(lm)
+        names = {name for name, module in lm.named_modules() if any(module is m for m in modules)}
+        assert names and all(".mlp." in name or ".attn" in name or ".self_attn." in name for name in names), names
+        assert lm.get_output_embeddings() not in modules

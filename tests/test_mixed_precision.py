@@ -192,3 +192,48 @@ def test_the_heads_compute_in_fp32_under_allow_tf32_also_when_compiled(monkeypat
         assert all(not tf32 and not compiling for _, tf32, compiling in seen), seen
         assert torch.backends.cuda.matmul.allow_tf32  # restored for the trunk
         assert logits.dtype == values.dtype == torch.float32
+
+
+@pytest.mark.parametrize("architecture", ["gpt2", "llama"])
+def test_frozen_models_stored_in_bf16_give_the_same_bits_under_bf16_autocast(architecture):
+    """Under --mixed-precision bf16 the frozen models (the reference, the reward model's backbone, the reward script's
+    sampler) keep their linear layers in bf16 (run_utils.frozen_for_autocast): half their memory, and every product
+    reads the operands autocast gave it from the fp32 weights before. The reference's log-probs, its samples and the
+    reward model's scores are bit for bit today's (GPT-2's Conv1D and tied head; a Llama with biases and its own
+    head), and the embeddings, norms and heads stay fp32."""
+    from copy import deepcopy
+
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    import run_utils
+    from tests.conftest import tiny_gpt2_config, tiny_llama_config
+
+    config = (tiny_gpt2_config(vocab_size=1000) if architecture == "gpt2"
+              else tiny_llama_config(attention_bias=True, mlp_bias=True))  # fmt: skip
+    bf16 = types.SimpleNamespace(mixed_precision="bf16")
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_config(config).eval()
+    stored = run_utils.frozen_for_autocast(deepcopy(lm), bf16)
+    dtypes = {name: parameter.dtype for name, parameter in stored.named_parameters()}
+    assert {dtype for name, dtype in dtypes.items() if "norm" in name or "ln_" in name or "wte" in name
+            or "embed" in name or "lm_head" in name} == {torch.float32}  # fmt: skip
+    assert sum(dtype == torch.bfloat16 for dtype in dtypes.values()) >= 8  # every block's linear layers
+    torch.manual_seed(0)
+    reward = P.RewardModel(AutoModel.from_config(config), PAD).eval()
+    torch.nn.init.normal_(reward.scalar_head.weight, std=0.1)
+    stored_reward = deepcopy(reward)
+    run_utils.frozen_for_autocast(stored_reward.backbone, bf16)
+    assert stored_reward.scalar_head.weight.dtype == torch.float32
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, PAD, (6, 20), generator=generator)
+    tokens[:2, :4] = PAD  # left-padded rows
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for model in (lm, stored):
+            assert next(model.parameters()).dtype == torch.float32  # the token embedding: what model.dtype reads
+        assert torch.equal(P.lm_logits(lm, tokens, 12, PAD, 0.7), P.lm_logits(stored, tokens, 12, PAD, 0.7))
+        samples = []
+        for model in (lm, stored):
+            torch.manual_seed(2)
+            samples.append(P.sample_responses(model, tokens[:, :12], PAD, 8, 0.7))
+        assert torch.equal(*samples)
+        assert torch.equal(reward(tokens[:, :12], tokens[:, 12:]), stored_reward(tokens[:, :12], tokens[:, 12:]))
