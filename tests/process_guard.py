@@ -12,6 +12,9 @@ GRACE_SECONDS = 5.0
 """How long a leaked process is given to end after SIGTERM before SIGKILL."""
 STARTED = pytest.StashKey[list]()
 """The processes a test's body started that were running when it returned."""
+SHARED_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "torch._inductor.compile_worker")
+"""Helpers a library starts once for the whole pytest process and keeps by design (multiprocessing's resource tracker
+and fork server, Inductor's compile workers): not a test's to stop."""
 
 
 def descendants() -> dict[int, psutil.Process]:
@@ -57,18 +60,28 @@ def pytest_runtest_call(item):
     try:
         return (yield)
     finally:
-        item.stash[STARTED] = [process for pid, process in descendants().items() if pid not in before]
+        item.stash[STARTED] = [process for pid, process in descendants().items()
+                               if pid not in before and not any(parent.pid in before for parent in parents(process))]  # fmt: skip
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     result = yield
-    leaked = [process for process in item.stash.get(STARTED, []) if running(process)]
+    leaked = [process for process in item.stash.get(STARTED, []) if running(process)
+              and not any(helper in " ".join(cmdline(process)) for helper in SHARED_HELPERS)]  # fmt: skip
     if leaked:
         names = ", ".join(f"{process.pid} ({' '.join(cmdline(process))[:80]})" for process in leaked)
         end_tree(leaked)
         pytest.fail(f"{item.nodeid} left {len(leaked)} process(es) running, now ended: {names}", pytrace=False)
     return result
+
+
+def parents(process: psutil.Process) -> list[psutil.Process]:
+    """Its parent, theirs... (a process started by one that a fixture owns is the fixture's too)."""
+    try:
+        return process.parents()
+    except psutil.Error:
+        return []
 
 
 def cmdline(process: psutil.Process) -> list[str]:

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-SLEEP = [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
-         "'import time; time.sleep(300.25)']); time.sleep(300.25)"]
+LEAK = [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+        "'import time; time.sleep(300.25)']); time.sleep(300.25)"]  # a process and its child
+SLEEP = [sys.executable, "-c", "import time; time.sleep(300.25)"]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def stopped_in_teardown():
 
 
 def test_leaves_one():
-    process = subprocess.Popen(SLEEP)
+    process = subprocess.Popen(LEAK)
     time.sleep(1)  # its child started too
     (Path(__file__).parent / "leaked.pid").write_text(str(process.pid))
     assert False, "fails before it stops its process"
@@ -45,6 +46,14 @@ def test_leaves_one():
 
 def test_uses_the_daemon(daemon):
     assert daemon.poll() is None
+
+
+def test_starts_a_shared_helper():
+    import multiprocessing
+
+    process = multiprocessing.get_context("spawn").Process(target=print)
+    process.start()
+    process.join()  # its resource tracker stays, by design
 
 
 def test_stops_its_own(stopped_in_teardown):
@@ -68,7 +77,7 @@ def test_a_test_that_leaves_a_process_running_fails_and_the_process_ends(tmp_pat
     pid = int((tmp_path / "leaked.pid").read_text())
     assert result.returncode == 1, output
     assert "test_guarded.py::test_leaves_one left 2 process(es) running, now ended" in output, output
-    assert "1 failed, 2 passed, 1 error" in output, output  # the leak: an error at that test's teardown, nowhere else
+    assert "1 failed, 3 passed, 1 error" in output, output  # the leak: an error at that test's teardown, nowhere else
     deadline = time.monotonic() + 10
     while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, f"the leaked process {pid} still runs"
