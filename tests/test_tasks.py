@@ -386,7 +386,8 @@ def test_reward_script_samples_from_the_contexts_and_scores_the_bare_queries(tok
     records = R.label_records(ref_lm, stream, tokenizer, NEWLINE, 4, args)
     assert len(records) == 4 and all(len(r["query"]) == 6 for r in records)
     # the samples as the labeler saw them: cut after the first newline at index >= truncate_after (1), OAI's pad after
-    assert all(r[f"sample{j}"] == [NEWLINE, NEWLINE, OPENAI_PAD, OPENAI_PAD] for r in records for j in range(4))
+    samples = [r[f"sample{j}"] for r in records for j in range(4)]
+    assert all(sample == [NEWLINE, NEWLINE, OPENAI_PAD, OPENAI_PAD] for sample in samples), samples[:2]
     bare = torch.tensor([r["query"] for r in records])  # right-padded with OAI's pad, like OAI's files
     bare = R.right_padding_to_left_padding(torch.where(bare == OPENAI_PAD, PAD, bare), PAD)
     assert torch.equal(generated[1], stream.format(bare)) and generated[1].shape == (4, 3 + 6 + 6)  # 4 samples each
