@@ -858,8 +858,7 @@ def check_build_locks(root: Optional[Path] = None) -> None:
     waits on it forever. A lock that no process here holds open, still there a moment later, stops the run with one
     line that names it (it is left in place: another machine sharing the folder could be building)."""
     root = root or torch_extensions_root()
-    locks = [path for path in root.glob("*/lock")] + [path for path in root.glob("*/*/lock")] if root.is_dir() else []
-    for lock in locks:
+    for lock in [*root.glob("*/lock"), *root.glob("*/*/lock")]:  # an absent folder globs nothing
         if open_by_a_process(lock):
             continue
         time.sleep(0.5)  # a builder between closing and removing it

@@ -57,6 +57,7 @@ class Replay:
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         self.batches, self.pad_id, self.pending, self.taken = list(batches), pad_id, None, 0
         self.call_sites, self.rows = call_sites, None if rows is None else list(rows)
+        self.epochs: list[int] = []  # the PPO epochs that shuffled in each update's rollout (install's minibatches)
         self.check("the pad id of the given queries", call_sites["pad_id"], OPENAI_PAD_ID)  # mapped to `pad_id`
 
     def share(self, rows: np.ndarray) -> np.ndarray:
@@ -201,7 +202,7 @@ def install(script, replay: Replay, orders=None) -> list:
                 inside[0] = False
 
         setattr(script, window, replayed_window)
-    calls, epochs = [], []  # every epoch's order taken; the epochs of each update's rollout
+    calls, epochs = [], replay.epochs  # every epoch's order taken; the epochs of each update's rollout
     if orders is not None:
         original_minibatches = script.minibatches
 
@@ -236,7 +237,6 @@ def install(script, replay: Replay, orders=None) -> list:
             return result
 
         script.minibatches = replayed_minibatches
-    replay.epochs = epochs
     return calls
 
 

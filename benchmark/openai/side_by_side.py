@@ -82,8 +82,15 @@ with a fixed coefficient (`free_run`), whose draws the target does not change, a
 near the KL of those draws (KL_TARGETS)."""
 KL_TARGETS = {"ranks_2": 2.348, "ranks_4": 3.6}
 """The KL targets of the multi-rank scenarios, from their free runs' KL: `ranks_2` 2.45, 3.56, 2.81, 4.15, 1.91, 4.82,
-2.25 (1.62) nats, inside ±20% of 2.36 at 4 of its 7 moves (the largest window of the spread), `ranks_4` 5.91, 3.91,
+2.25 (1.62) nats, inside ±20% of 2.348 at 4 of its 7 moves (the largest window of the spread; 2.36 left the teacher-forced
+run's update 5 at -0.201), `ranks_4` 5.91, 3.91,
 3.23, 5.35, 3.60 (2.58), inside ±20% of 3.6 at 3 of its 5."""
+MULTI_RANK = dict(
+    task=dict(query_prefix="The sun", query_suffix=" the bird", start_text=".", end_text="."),
+    warm_start=dict(scale=0.02, value_scale=0.2, eos_scale=0.9, seed=3),
+    free_run=dict(adaptive_kl=False),
+)
+"""The multi-rank scenarios' task and warm start (`details`'), and their fixed-coefficient free run."""
 SCENARIOS = {
     "details": dict(
         task=dict(query_prefix="The sun", query_suffix=" the bird", start_text=".", end_text="."),
@@ -96,23 +103,10 @@ SCENARIOS = {
         policy=dict(whiten_rewards=False, adaptive_kl=False, kl_coef=0.05),
         updates=3,
     ),
-    "ranks_2": dict(
-        task=dict(query_prefix="The sun", query_suffix=" the bird", start_text=".", end_text="."),
-        policy=dict(MULTI_RANK_POLICY, kl_target=KL_TARGETS["ranks_2"]),
-        warm_start=dict(scale=0.02, value_scale=0.2, eos_scale=0.9, seed=3),
-        free_run=dict(adaptive_kl=False),
-        updates=8,
-        ranks=2,
-    ),
+    "ranks_2": dict(MULTI_RANK, policy=dict(MULTI_RANK_POLICY, kl_target=KL_TARGETS["ranks_2"]), updates=8, ranks=2),
     "ranks_4": dict(
-        task=dict(query_prefix="The sun", query_suffix=" the bird", start_text=".", end_text="."),
-        policy=dict(MULTI_RANK_POLICY, kl_target=KL_TARGETS["ranks_4"]),
-        warm_start=dict(scale=0.02, value_scale=0.2, eos_scale=0.9, seed=3),
-        free_run=dict(adaptive_kl=False),
-        updates=6,
-        ranks=4,
-        processes=2,
-    ),
+        MULTI_RANK, policy=dict(MULTI_RANK_POLICY, kl_target=KL_TARGETS["ranks_4"]), updates=6, ranks=4, processes=2
+    ),  # fmt: skip
 }
 """Policy scenarios beyond the base one, each compared from update 1 on OpenAI's own rollouts (teacher-forced), so
 that every path both scripts implement changes some compared number. `details`: the policy starts away from the
